@@ -1,0 +1,97 @@
+from google.api import annotations_pb2 as _annotations_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ModelState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODEL_STATE_UNSPECIFIED: _ClassVar[ModelState]
+    MODEL_STATE_LOADING: _ClassVar[ModelState]
+    MODEL_STATE_READY: _ClassVar[ModelState]
+    MODEL_STATE_UNLOADING: _ClassVar[ModelState]
+    MODEL_STATE_UNAVAILABLE: _ClassVar[ModelState]
+
+class ServingStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SERVING_STATUS_UNSPECIFIED: _ClassVar[ServingStatus]
+    SERVING_STATUS_SERVING: _ClassVar[ServingStatus]
+    SERVING_STATUS_NOT_SERVING: _ClassVar[ServingStatus]
+    SERVING_STATUS_DRAINING: _ClassVar[ServingStatus]
+MODEL_STATE_UNSPECIFIED: ModelState
+MODEL_STATE_LOADING: ModelState
+MODEL_STATE_READY: ModelState
+MODEL_STATE_UNLOADING: ModelState
+MODEL_STATE_UNAVAILABLE: ModelState
+SERVING_STATUS_UNSPECIFIED: ServingStatus
+SERVING_STATUS_SERVING: ServingStatus
+SERVING_STATUS_NOT_SERVING: ServingStatus
+SERVING_STATUS_DRAINING: ServingStatus
+
+class Model(_message.Message):
+    __slots__ = ("name", "versions", "backend", "state", "stage", "max_batch_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    versions: _containers.RepeatedScalarFieldContainer[str]
+    backend: str
+    state: ModelState
+    stage: str
+    max_batch_size: int
+    def __init__(self, name: _Optional[str] = ..., versions: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., stage: _Optional[str] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ("ready_only",)
+    READY_ONLY_FIELD_NUMBER: _ClassVar[int]
+    ready_only: bool
+    def __init__(self, ready_only: _Optional[bool] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[Model]
+    def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...
+
+class GetModelRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class GetModelResponse(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: Model
+    def __init__(self, model: _Optional[_Union[Model, _Mapping]] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageHealth(_message.Message):
+    __slots__ = ("stage", "status", "ready_replicas", "total_replicas")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    READY_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    status: ServingStatus
+    ready_replicas: int
+    total_replicas: int
+    def __init__(self, stage: _Optional[str] = ..., status: _Optional[_Union[ServingStatus, str]] = ..., ready_replicas: _Optional[int] = ..., total_replicas: _Optional[int] = ...) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("status", "stages")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    status: ServingStatus
+    stages: _containers.RepeatedCompositeFieldContainer[StageHealth]
+    def __init__(self, status: _Optional[_Union[ServingStatus, str]] = ..., stages: _Optional[_Iterable[_Union[StageHealth, _Mapping]]] = ...) -> None: ...
