@@ -1,0 +1,134 @@
+"""Per-service configuration: one frozen, validated object per process.
+
+Values come from, in rising precedence: field defaults, the optional mesh
+YAML (``defaults:`` then ``services.<name>:``), environment variables
+(``MESHSERVE_<FIELD>``), then command-line flags (``--field-name``). The
+object is built once in ``main`` and passed down; nothing reads flags or the
+environment at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from shared.errors import ConfigError
+
+ENV_PREFIX = "MESHSERVE_"
+
+
+class ServiceConfig(BaseModel):
+    """What every service process needs: where to listen and how to behave."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    service_name: str = Field("meshserve", min_length=1, max_length=64)
+    """The OpenTelemetry ``service.name`` and the Prometheus ``service`` label."""
+    host: str = Field("127.0.0.1", min_length=1)
+    """Address the gRPC server binds to."""
+    grpc_port: int = Field(0, ge=0, le=65535)
+    """gRPC port; 0 picks a free one (printed on start)."""
+    metrics_port: int = Field(-1, ge=-1, le=65535)
+    """Prometheus /metrics port; 0 picks a free one, -1 turns it off."""
+    max_message_bytes: int = Field(64 * 1024 * 1024, ge=4 * 1024 * 1024, le=2**31 - 1)
+    """Largest gRPC message sent or received."""
+    grace_period_s: float = Field(10.0, ge=0.0, le=600.0)
+    """On SIGTERM, how long in-flight RPCs may run before they are cancelled."""
+    otlp_endpoint: str | None = None
+    """OTLP/gRPC trace collector (host:port); None exports no spans."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Root log level."""
+
+
+C = TypeVar("C", bound=ServiceConfig)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _add_flags(parser: argparse.ArgumentParser, cls: type[ServiceConfig]) -> None:
+    for name, info in cls.model_fields.items():
+        annotation = info.annotation
+        kind: Any = str
+        if annotation in (int, float):
+            kind = annotation
+        elif annotation is bool:
+            kind = _parse_bool
+        elif get_origin(annotation) in (list, tuple):
+            parser.add_argument(
+                _flag(name), dest=name, action="append", default=None, help=info.description
+            )
+            continue
+        parser.add_argument(_flag(name), dest=name, type=kind, default=None, help=info.description)
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
+
+
+def _from_yaml(path: Path, service: str) -> dict[str, Any]:
+    try:
+        document = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read mesh config: {exc}") from exc
+    if not isinstance(document, dict):
+        raise ConfigError(f"{path}: the mesh config must be a mapping")
+    values: dict[str, Any] = dict(document.get("defaults") or {})
+    values.update((document.get("services") or {}).get(service) or {})
+    return values
+
+
+def _from_env(cls: type[ServiceConfig], env: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name, info in cls.model_fields.items():
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is None:
+            continue
+        is_sequence = get_origin(info.annotation) in (list, tuple) or any(
+            get_origin(arg) in (list, tuple) for arg in get_args(info.annotation)
+        )
+        values[name] = [item for item in raw.split(",") if item] if is_sequence else raw
+    return values
+
+
+def load_config(
+    cls: type[C],
+    argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    service: str,
+) -> C:
+    """Build ``cls`` from defaults, mesh YAML, environment and flags, validated once."""
+    parser = argparse.ArgumentParser(prog=f"meshserve-{service}", description=cls.__doc__)
+    parser.add_argument("--config", type=Path, default=None, help="mesh YAML file")
+    _add_flags(parser, cls)
+    args = vars(parser.parse_args(list(argv) if argv is not None else None))
+    env = os.environ if env is None else env
+
+    values: dict[str, Any] = {"service_name": service}
+    config_path = args.pop("config") or (
+        Path(env[ENV_PREFIX + "CONFIG"]) if ENV_PREFIX + "CONFIG" in env else None
+    )
+    if config_path is not None:
+        values.update(_from_yaml(config_path, service))
+    values.update(_from_env(cls, env))
+    values.update({key: value for key, value in args.items() if value is not None})
+    try:
+        return cls.model_validate(values)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"invalid {service} configuration: {problems}") from exc

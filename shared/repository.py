@@ -1,0 +1,217 @@
+"""The model repository: Triton's ``<repo>/<model>/config.pbtxt`` + version folders.
+
+``config.pbtxt`` is parsed with protobuf ``text_format`` into Triton's
+``ModelConfig`` schema, so any real Triton config parses; fields the mesh does
+not implement are reported by name instead of being silently ignored. A bad
+file gives an error naming the file, the line and what is wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf import text_format
+
+from inference import model_config_pb2 as mc
+from shared.errors import ConfigError, NotFound
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.pbtxt"
+
+# Top-level ModelConfig fields the mesh implements; anything else that is set
+# is reported as unsupported (parsed, kept, but without effect).
+SUPPORTED_FIELDS = frozenset(
+    {
+        "name",
+        "platform",
+        "backend",
+        "runtime",
+        "version_policy",
+        "max_batch_size",
+        "input",
+        "output",
+        "batch_input",
+        "batch_output",
+        "instance_group",
+        "default_model_filename",
+        "dynamic_batching",
+        "ensemble_scheduling",
+        "parameters",
+        "model_warmup",
+        "model_transaction_policy",
+        "label_filename",
+    }
+)
+
+# Which stage service hosts a model, by backend (or platform) name.
+HOSTING_SERVICE = {
+    "pytorch": "inference",
+    "pytorch_libtorch": "inference",
+    "onnxruntime": "inference",
+    "onnxruntime_onnx": "inference",
+    "python": "inference",
+    "vllm": "inference",
+    "tokenizer": "tokenizer",
+    "image_preprocess": "preprocess",
+    "classify": "postprocess",
+    "embedding_pool": "postprocess",
+    "detokenize": "postprocess",
+    "ensemble": "orchestrator",
+}
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One model folder: its parsed config and the versions on disk."""
+
+    name: str
+    path: Path
+    config: mc.ModelConfig
+    versions_on_disk: tuple[int, ...]
+
+    def selected_versions(self) -> tuple[int, ...]:
+        """The versions the config's version_policy serves (ascending)."""
+        return select_versions(self.config, self.versions_on_disk, self.path)
+
+    def version_path(self, version: int) -> Path:
+        """The folder of one version."""
+        return self.path / str(version)
+
+
+def parse_config(path: Path) -> mc.ModelConfig:
+    """Parse one config.pbtxt; errors name the file, line and column."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    config = mc.ModelConfig()
+    try:
+        text_format.Parse(text, config)
+    except text_format.ParseError as exc:
+        line, column = exc.GetLine(), exc.GetColumn()
+        where = f"{path}:{line}:{column}" if line else str(path)
+        message = str(exc).split(" : ", 1)[-1] if line else str(exc)
+        raise ConfigError(f"{where}: {message}") from exc
+    return config
+
+
+def unsupported_fields(config: mc.ModelConfig) -> list[str]:
+    """Names of set top-level fields that the mesh parses but does not act on."""
+    return sorted(
+        field.name for field, _ in config.ListFields() if field.name not in SUPPORTED_FIELDS
+    )
+
+
+def validate_config(config: mc.ModelConfig, path: Path) -> None:
+    """Checks that text_format cannot make: names, batch size, types, dims."""
+    where = str(path)
+    if config.max_batch_size < 0:
+        raise ConfigError(f"{where}: max_batch_size must be >= 0, got {config.max_batch_size}")
+    for kind, tensors in (("input", config.input), ("output", config.output)):
+        seen: set[str] = set()
+        for tensor in tensors:
+            if not tensor.name:
+                raise ConfigError(f"{where}: an {kind} has no name")
+            if tensor.name in seen:
+                raise ConfigError(f"{where}: {kind} '{tensor.name}' is declared twice")
+            seen.add(tensor.name)
+            if tensor.data_type == mc.TYPE_INVALID:
+                raise ConfigError(f"{where}: {kind} '{tensor.name}' has no data_type")
+            if any(dim < -1 or dim == 0 for dim in tensor.dims):
+                raise ConfigError(
+                    f"{where}: {kind} '{tensor.name}' dims {list(tensor.dims)}: each must be "
+                    "positive or -1 (variable)"
+                )
+    if not (config.backend or config.platform):
+        raise ConfigError(f"{where}: neither backend nor platform is set")
+
+
+def select_versions(
+    config: mc.ModelConfig, on_disk: tuple[int, ...], path: Path
+) -> tuple[int, ...]:
+    """Apply version_policy (default: latest 1) to the versions on disk."""
+    policy = config.version_policy
+    which = policy.WhichOneof("policy_choice")
+    if config.platform == "ensemble" or config.backend == "ensemble":
+        return on_disk or (1,)
+    if which == "all":
+        chosen = on_disk
+    elif which == "specific":
+        missing = sorted(set(policy.specific.versions) - set(on_disk))
+        if missing:
+            raise ConfigError(
+                f"{path / CONFIG_FILE}: version_policy.specific names versions {missing} "
+                f"that have no folder (on disk: {list(on_disk)})"
+            )
+        chosen = tuple(sorted(policy.specific.versions))
+    else:
+        count = policy.latest.num_versions if which == "latest" else 1
+        if count < 1:
+            raise ConfigError(
+                f"{path / CONFIG_FILE}: version_policy.latest.num_versions must be >= 1"
+            )
+        chosen = on_disk[-count:]
+    if not chosen:
+        raise ConfigError(f"{path}: no numbered version folder to serve")
+    return chosen
+
+
+class ModelRepository:
+    """Reads a model repository folder; re-reads on every call (it may change)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def names(self) -> list[str]:
+        """Model folder names that hold a config.pbtxt."""
+        if not self.root.is_dir():
+            raise ConfigError(f"{self.root}: model repository folder does not exist")
+        return sorted(
+            child.name
+            for child in self.root.iterdir()
+            if child.is_dir() and (child / CONFIG_FILE).is_file()
+        )
+
+    def entry(self, name: str) -> ModelEntry:
+        """The parsed, validated entry of one model."""
+        path = self.root / name
+        config_path = path / CONFIG_FILE
+        if not config_path.is_file():
+            raise NotFound(f"model '{name}' is not in the repository {self.root}")
+        config = parse_config(config_path)
+        if config.name and config.name != name:
+            raise ConfigError(
+                f"{config_path}: name '{config.name}' differs from its folder name '{name}'"
+            )
+        config.name = name
+        validate_config(config, config_path)
+        for field in unsupported_fields(config):
+            log.warning(
+                "%s: field '%s' is parsed but not supported; it has no effect", config_path, field
+            )
+        versions = tuple(
+            sorted(
+                int(child.name)
+                for child in path.iterdir()
+                if child.is_dir() and child.name.isdigit()
+            )
+        )
+        return ModelEntry(name=name, path=path, config=config, versions_on_disk=versions)
+
+    def entries(self) -> list[ModelEntry]:
+        """Every model's entry (raises on the first bad config)."""
+        return [self.entry(name) for name in self.names()]
+
+
+def hosting_service(config: mc.ModelConfig) -> str:
+    """Which stage service hosts a model: by backend, else by platform."""
+    key = config.backend or config.platform
+    if config.platform == "ensemble":
+        return "orchestrator"
+    service = HOSTING_SERVICE.get(key)
+    if service is None:
+        raise ConfigError(f"model '{config.name}': no service hosts backend '{key}'")
+    return service

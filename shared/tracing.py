@@ -1,0 +1,68 @@
+"""OpenTelemetry: tracer set-up and W3C ``traceparent`` propagation over gRPC.
+
+Each process builds its own ``TracerProvider`` (never the global one), so
+several services can share a test process and still report distinct
+``service.name`` values. Context travels in gRPC metadata under the standard
+W3C keys (``traceparent``, ``tracestate``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def make_tracer_provider(
+    service_name: str,
+    otlp_endpoint: str | None,
+    exporter: SpanExporter | None = None,
+) -> TracerProvider:
+    """A provider exporting to ``otlp_endpoint`` (OTLP/gRPC), ``exporter``, or nowhere."""
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    if exporter is None and otlp_endpoint:
+        # Imported here: the exporter pulls in its own gRPC stubs, unneeded
+        # when tracing is off.
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)
+    if exporter is not None:
+        provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
+    return provider
+
+
+def extract_context(metadata: Iterable[tuple[str, Any]] | None) -> otel_context.Context:
+    """The trace context carried by incoming gRPC metadata (empty if none)."""
+    carrier = {key: value for key, value in (metadata or ()) if isinstance(value, str)}
+    return _PROPAGATOR.extract(carrier)
+
+
+def inject_metadata(
+    metadata: Sequence[tuple[str, str | bytes]] | None,
+    ctx: otel_context.Context | None = None,
+) -> list[tuple[str, str | bytes]]:
+    """``metadata`` plus the current (or given) trace context as W3C headers."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=ctx)
+    kept = [(k, v) for k, v in (metadata or ()) if k not in carrier]
+    return kept + list(carrier.items())
+
+
+def traceparent_of(metadata: Mapping[str, str]) -> str | None:
+    """The raw ``traceparent`` header, if present."""
+    return metadata.get("traceparent")
+
+
+def tracer_for(provider: trace.TracerProvider | None, name: str) -> trace.Tracer:
+    """A tracer from ``provider``; a no-op tracer when there is none."""
+    if provider is None:
+        return trace.NoOpTracer()
+    return provider.get_tracer(name)
