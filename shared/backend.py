@@ -1,0 +1,151 @@
+"""The Backend interface: load a model version, execute a batch, unload.
+
+A backend is small. ``Backend.create_instance`` builds one execution instance
+of a model version (called in a worker thread; it may be slow); the instance's
+``execute`` runs a list of requests in its own thread and returns one response
+(or exception) per request. ``TensorInstance`` adds what tensor backends share:
+requests are concatenated along the batch dimension, run once, and the outputs
+split back per caller.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from inference import model_config_pb2 as mc
+from shared.errors import InvalidArgument
+from shared.request import InferRequest, InferResponse
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """Where and how one execution instance runs."""
+
+    name: str
+    """``<model>_<group>_<index>``, as Triton names instances."""
+    kind: str
+    """``KIND_CPU`` or ``KIND_GPU``."""
+    device: str
+    """``cpu`` or ``cuda:<n>``."""
+    intra_op_threads: int
+    """Threads this instance's framework may use for one operator."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model version as a backend sees it."""
+
+    name: str
+    version: int
+    path: Path
+    """The version folder (``<repo>/<model>/<version>``)."""
+    config: mc.ModelConfig
+    parameters: dict[str, str] = field(default_factory=dict)
+    """The config's ``parameters`` as plain strings."""
+
+    @property
+    def model_dir(self) -> Path:
+        """The model folder (parent of the version folder)."""
+        return self.path.parent
+
+    def model_file(self, default: str) -> Path:
+        """The model file: ``default_model_filename`` or ``default`` in the version folder."""
+        return self.path / (self.config.default_model_filename or default)
+
+
+class BackendInstance(Protocol):
+    """One loaded copy of a model; ``execute`` runs in the instance's own thread."""
+
+    def execute(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
+        """One response (or a per-request exception) for each request, in order."""
+        ...
+
+    def close(self) -> None:
+        """Release what the instance holds."""
+        ...
+
+
+class Backend(Protocol):
+    """A kind of model (``pytorch``, ``onnxruntime``, ``python``...)."""
+
+    name: str
+
+    def create_instance(self, model: ModelSpec, instance: InstanceSpec) -> BackendInstance:
+        """Load one instance (blocking; called in a worker thread)."""
+        ...
+
+
+class TensorInstance(abc.ABC):
+    """Shared batching logic for backends whose models map tensors to tensors."""
+
+    def __init__(self, model: ModelSpec) -> None:
+        self.model = model
+        self.batched = model.config.max_batch_size > 0
+        self.output_names = [output.name for output in model.config.output]
+
+    @abc.abstractmethod
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run the model once on (possibly concatenated) inputs."""
+
+    def close(self) -> None:  # noqa: B027 - most tensor backends hold nothing to free
+        """Release resources (default: nothing)."""
+
+    def execute(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
+        """Concatenate along dim 0, run once, split the outputs back per request."""
+        if len(requests) == 1 or not self.batched:
+            return [self._one(request) for request in requests]
+        names = list(requests[0].inputs)
+        merged = {name: np.concatenate([r.inputs[name] for r in requests]) for name in names}
+        outputs = self.run(merged)
+        rows = np.cumsum([r.batch_size(True) for r in requests])[:-1]
+        pieces = {name: np.split(array, rows) for name, array in outputs.items()}
+        return [
+            InferResponse(
+                outputs=_select({name: parts[index] for name, parts in pieces.items()}, request)
+            )
+            for index, request in enumerate(requests)
+        ]
+
+    def _one(self, request: InferRequest) -> InferResponse | Exception:
+        try:
+            return InferResponse(outputs=_select(self.run(request.inputs), request))
+        except InvalidArgument as exc:
+            return exc
+
+
+def _select(outputs: dict[str, np.ndarray], request: InferRequest) -> dict[str, np.ndarray]:
+    if request.requested_outputs is None:
+        return outputs
+    return {name: outputs[name] for name in request.requested_outputs}
+
+
+def default_intra_op_threads(total_instances: int) -> int:
+    """Threads per CPU instance so that all instances together fit the cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, total_instances))
+
+
+def config_parameters(config: mc.ModelConfig) -> dict[str, str]:
+    """The ``parameters`` map of a model config as plain strings."""
+    return {key: value.string_value for key, value in config.parameters.items()}
+
+
+def parameter(spec: ModelSpec, key: str, default: Any, kind: type = str) -> Any:
+    """One config parameter converted to ``kind``; a bad value names the key."""
+    raw = spec.parameters.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        if kind is bool:
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        return kind(raw)
+    except ValueError as exc:
+        raise InvalidArgument(
+            f"model '{spec.name}': parameter '{key}' = {raw!r} is not a {kind.__name__}"
+        ) from exc

@@ -1,0 +1,528 @@
+"""Dynamic batching with NVIDIA Triton's semantics, in pure asyncio.
+
+Every stage service puts the instances of a model behind one ``DynamicBatcher``.
+The request path, one line per step::
+
+    infer()      validate priority and rows, bound the level's queue, arm the timeout
+    queues       one FIFO per priority level (1 is highest), then the DELAYed requests
+    worker       one per instance; a free instance plans the next batch and runs it
+    execute()    the instance computes off the event loop, one result per request
+    delivery     each caller gets its own result (in arrival order if preserve_ordering)
+
+Batch planning follows Triton's ``GetDynamicBatch``: walk the queues in priority
+order from the head and keep requests while they have the head's shape key and the
+rows fit ``max_batch_size``; the first request that does not fit closes the batch
+(requests are never skipped, so nothing behind it overtakes it). Then:
+
+- if the rows of some prefix equal a preferred size, send the largest such prefix now;
+- if the rows pass the largest preferred size, send what fits in it now;
+- if the batch is closed or holds ``max_batch_size`` rows, send it now;
+- otherwise wait for more requests until ``max_queue_delay_us`` after the oldest
+  queued request's arrival, then send what is there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal, Protocol, TypeAlias
+
+from shared.errors import (
+    ConfigError,
+    FailedPrecondition,
+    InvalidArgument,
+    MeshError,
+    Overloaded,
+    RequestTimeout,
+    Unavailable,
+)
+from shared.request import InferRequest, InferResponse
+
+__all__ = ["BatchPolicy", "BatchRecord", "DynamicBatcher", "ModelInstance", "QueuePolicy"]
+
+_log = logging.getLogger(__name__)
+
+_Outcome: TypeAlias = InferResponse | BaseException
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_range(field_name: str, value: int, low: int, high: int | None = None) -> None:
+    ok, bounds = low <= value, f">= {low}" if high is None else f"in {low}..{high}"
+    _check(ok and (high is None or value <= high), f"{field_name} must be {bounds}, got {value}")
+
+
+@dataclass(frozen=True)
+class QueuePolicy:
+    """How one priority level bounds and times out its queue (Triton ModelQueuePolicy)."""
+
+    timeout_action: Literal["REJECT", "DELAY"] = "REJECT"
+    """A timed-out request fails (REJECT) or moves behind every other request (DELAY)."""
+    default_timeout_us: int = 0
+    """Longest wait in the queue, in microseconds, >= 0; 0 means no timeout."""
+    allow_timeout_override: bool = False
+    """Whether a request's own ``timeout_us`` may shorten (never lengthen) the default."""
+    max_queue_size: int = 0
+    """Most requests this level may hold queued, >= 0; 0 means unbounded."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.timeout_action in ("REJECT", "DELAY"),
+            f"QueuePolicy.timeout_action must be REJECT or DELAY, got {self.timeout_action!r}",
+        )
+        _check_range("QueuePolicy.default_timeout_us", self.default_timeout_us, 0)
+        _check_range("QueuePolicy.max_queue_size", self.max_queue_size, 0)
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """How one model's requests are queued and batched (Triton ModelDynamicBatching)."""
+
+    max_batch_size: int = 0
+    """Most rows (dim 0, summed over requests) in one batch, >= 0; 0: no batch dimension."""
+    dynamic_batching: bool = False
+    """Combine queued requests into batches; False runs each request alone, from one queue."""
+    preferred_batch_sizes: tuple[int, ...] = ()
+    """Row counts sent as soon as they can be formed; each in 1..max_batch_size."""
+    max_queue_delay_us: int = 0
+    """How long, >= 0, the oldest queued request waits for a batch to fill; 0: never."""
+    preserve_ordering: bool = False
+    """Deliver responses in the order the requests arrived, even across instances."""
+    priority_levels: int = 0
+    """Number of priority levels, >= 0 (1 is the highest); 0 means a single level."""
+    default_priority_level: int = 0
+    """Level of a request with priority 0: 1..priority_levels (0 when there are none)."""
+    default_queue_policy: QueuePolicy = QueuePolicy()
+    """Queue policy of every level that ``priority_queue_policy`` does not name."""
+    priority_queue_policy: Mapping[int, QueuePolicy] = field(
+        default_factory=lambda: MappingProxyType({}), hash=False
+    )
+    """Queue policy by priority level; keys in 1..priority_levels."""
+
+    def __post_init__(self) -> None:
+        # Copies, so a caller's list or dict cannot change a frozen policy afterwards.
+        object.__setattr__(self, "preferred_batch_sizes", tuple(self.preferred_batch_sizes))
+        object.__setattr__(
+            self, "priority_queue_policy", MappingProxyType(dict(self.priority_queue_policy))
+        )
+        self._validate_batching()
+        self._validate_priorities()
+
+    def _validate_batching(self) -> None:
+        _check_range("BatchPolicy.max_batch_size", self.max_batch_size, 0)
+        _check_range("BatchPolicy.max_queue_delay_us", self.max_queue_delay_us, 0)
+        for size in self.preferred_batch_sizes:
+            _check_range("BatchPolicy.preferred_batch_sizes", size, 1, self.max_batch_size)
+
+    def _validate_priorities(self) -> None:
+        levels = self.priority_levels
+        _check_range("BatchPolicy.priority_levels", levels, 0)
+        low = 1 if levels else 0  # with no levels, the default level must stay 0
+        _check_range("BatchPolicy.default_priority_level", self.default_priority_level, low, levels)
+        for level in self.priority_queue_policy:
+            _check_range("BatchPolicy.priority_queue_policy level", level, 1, levels)
+
+    @property
+    def level_count(self) -> int:
+        """Number of queues: ``priority_levels``, or one when priorities are off."""
+        return max(1, self.priority_levels)
+
+    def queue_policy(self, level: int) -> QueuePolicy:
+        """The queue policy of ``level`` (1-based)."""
+        return self.priority_queue_policy.get(level, self.default_queue_policy)
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """One executed batch, for statistics and metrics."""
+
+    model: str
+    instance: str
+    batch_size: int
+    """Rows in the batch (dim 0 summed over its requests)."""
+    request_count: int
+    queue_ns: tuple[int, ...]
+    """Per request, in batch order: time from enqueue to dispatch."""
+    compute_ns: int
+    errors: int
+    """Requests of the batch that got an exception instead of a response."""
+
+
+class ModelInstance(Protocol):
+    """One copy of a loaded model; ``execute`` keeps heavy compute off the event loop."""
+
+    name: str
+
+    async def execute(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
+        """Run one batch: one response, or one per-request error, per request, in order."""
+        ...
+
+
+@dataclass(eq=False)
+class _Entry:
+    """A queued or executing request and the future its caller awaits."""
+
+    request: InferRequest
+    future: asyncio.Future[InferResponse]
+    level: int
+    """0-based index into the level queues."""
+    rows: int
+    key: tuple[Any, ...]
+    timeout_us: int
+    queue: deque[_Entry] | None = None
+    """The deque it waits in; None once dispatched or removed."""
+    timer: asyncio.TimerHandle | None = None
+    outcome: _Outcome | None = None
+    """Held result when responses are released in arrival order."""
+
+
+def _resolve(entry: _Entry, outcome: _Outcome) -> None:
+    if entry.future.done():  # the caller went away
+        return
+    if isinstance(outcome, BaseException):
+        entry.future.set_exception(outcome)
+    else:
+        entry.future.set_result(outcome)
+
+
+class DynamicBatcher:
+    """Queues one model's requests and runs them in batches on its instances."""
+
+    def __init__(
+        self,
+        policy: BatchPolicy,
+        instances: Sequence[ModelInstance],
+        *,
+        name: str,
+        on_batch: Callable[[BatchRecord], None] | None = None,
+    ) -> None:
+        _check(len(instances) > 0, f"model '{name}': at least one instance is required")
+        self.name = name
+        self._policy = policy
+        self._instances = tuple(instances)
+        self._on_batch = on_batch
+        self._batched = policy.max_batch_size > 0
+        self._combine = self._batched and policy.dynamic_batching
+        self._preferred = frozenset(policy.preferred_batch_sizes)
+        self._max_preferred = max(policy.preferred_batch_sizes, default=0)
+        # Queues in dispatch order: one per level, then the requests timed out with DELAY.
+        self._levels: list[deque[_Entry]] = [deque() for _ in range(policy.level_count)]
+        self._delayed: deque[_Entry] = deque()
+        self._level_sizes = [0] * policy.level_count
+        self._order: deque[_Entry] = deque()  # arrival order, used with preserve_ordering
+        self._executing = 0
+        self._wakeup = asyncio.Event()  # the queue changed: replan
+        self._planning = asyncio.Lock()  # one free worker plans at a time
+        self._workers: list[asyncio.Task[None]] = []
+        self._started = False
+        self._stopping = False
+
+    @property
+    def pending(self) -> int:
+        """Requests queued and not yet executing."""
+        return sum(self._level_sizes)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests queued or executing."""
+        return self.pending + self._executing
+
+    async def start(self) -> None:
+        """Start one worker task per instance."""
+        if self._stopping:
+            raise FailedPrecondition(f"model '{self.name}': the batcher was stopped")
+        if self._started:
+            return
+        self._started = True
+        for instance in self._instances:
+            task = asyncio.create_task(
+                self._work(instance), name=f"batcher {self.name}/{instance.name}"
+            )
+            task.add_done_callback(self._worker_done)
+            self._workers.append(task)
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        """Queue ``request``, wait until its batch has run, and return its response."""
+        entry = self._admit(request)
+        try:
+            return await entry.future
+        except asyncio.CancelledError:
+            self._withdraw(entry)  # a queued request must not execute for nobody
+            raise
+
+    async def stop(self, drain: bool = True) -> None:
+        """Refuse new requests; finish (drain) or fail the queued ones; end the workers."""
+        self._stopping = True
+        if not drain:
+            self._fail_queued()
+        self._wakeup.set()
+        try:
+            if drain and self._workers:
+                await asyncio.wait(self._workers)
+        finally:
+            for task in self._workers:
+                task.cancel()
+            if self._workers:
+                await asyncio.wait(self._workers)
+            self._workers.clear()
+            self._fail_queued()
+
+    # -- admission -------------------------------------------------------------
+
+    def _admit(self, request: InferRequest) -> _Entry:
+        if self._stopping:
+            raise Unavailable(f"model '{self.name}' is stopping")
+        if not self._started:
+            raise Unavailable(f"model '{self.name}' is not started")
+        level = self._level_of(request)
+        rows = max(1, request.batch_size(self._batched))
+        if self._batched and rows > self._policy.max_batch_size:
+            raise InvalidArgument(
+                f"model '{self.name}': batch size {rows} exceeds max_batch_size "
+                f"{self._policy.max_batch_size}"
+            )
+        policy = self._policy.queue_policy(level + 1)
+        if policy.max_queue_size and self._level_sizes[level] >= policy.max_queue_size:
+            raise Overloaded(
+                f"model '{self.name}': queue is full (max_queue_size {policy.max_queue_size}"
+                f" at priority level {level + 1})"
+            )
+        loop = asyncio.get_running_loop()
+        key, timeout_us = request.shape_key(self._batched), self._timeout_us(request, policy)
+        entry = _Entry(request, loop.create_future(), level, rows, key, timeout_us)
+        request.queue_start_ns = time.monotonic_ns()
+        self._push(self._levels[level], entry)
+        self._level_sizes[level] += 1
+        if entry.timeout_us:
+            entry.timer = loop.call_later(entry.timeout_us / 1e6, self._on_timeout, entry)
+        if self._policy.preserve_ordering:
+            self._order.append(entry)
+        self._wakeup.set()
+        return entry
+
+    def _level_of(self, request: InferRequest) -> int:
+        """The 0-based queue index of ``request``'s priority."""
+        count = self._policy.level_count
+        if not 0 <= request.priority <= count:
+            raise InvalidArgument(
+                f"model '{self.name}': priority {request.priority} is out of range 0..{count}"
+                " (1 is the highest, 0 the model's default)"
+            )
+        level = request.priority or self._policy.default_priority_level or 1
+        return level - 1
+
+    @staticmethod
+    def _timeout_us(request: InferRequest, policy: QueuePolicy) -> int:
+        # Triton: an override may shorten the default timeout, never lengthen it.
+        timeout = policy.default_timeout_us
+        asked = request.timeout_us
+        if policy.allow_timeout_override and asked > 0 and (timeout == 0 or asked < timeout):
+            timeout = asked
+        return timeout
+
+    # -- queue bookkeeping -----------------------------------------------------
+
+    @staticmethod
+    def _push(queue: deque[_Entry], entry: _Entry) -> None:
+        queue.append(entry)
+        entry.queue = queue
+
+    def _queued(self) -> Iterator[_Entry]:
+        return itertools.chain(*self._levels, self._delayed)
+
+    def _unqueue(self, entry: _Entry) -> None:
+        assert entry.queue is not None
+        entry.queue.remove(entry)
+        entry.queue = None
+        self._level_sizes[entry.level] -= 1
+        if entry.timer is not None:
+            entry.timer.cancel()
+            entry.timer = None
+
+    def _on_timeout(self, entry: _Entry) -> None:
+        entry.timer = None
+        if entry.queue is None:
+            return
+        policy = self._policy.queue_policy(entry.level + 1)
+        if policy.timeout_action == "DELAY":
+            entry.queue.remove(entry)
+            self._push(self._delayed, entry)
+        else:
+            self._unqueue(entry)
+            message = f"request timed out after {entry.timeout_us} us in the queue"
+            self._fail(entry, RequestTimeout(f"model '{self.name}': {message}"))
+        self._wakeup.set()
+
+    def _withdraw(self, entry: _Entry) -> None:
+        if entry.future.done() and not entry.future.cancelled():
+            entry.future.exception()  # resolved as the caller left: nobody will read it
+        if entry.queue is not None:
+            self._unqueue(entry)
+            self._wakeup.set()
+        self._release_in_order()
+
+    def _fail_queued(self) -> None:
+        for entry in list(self._queued()):
+            self._unqueue(entry)
+            self._fail(entry, Unavailable(f"model '{self.name}' is stopping"))
+
+    # -- batch planning --------------------------------------------------------
+
+    async def _next_batch(self) -> list[_Entry] | None:
+        """Wait for and take the next batch; None once stopping with nothing queued."""
+        async with self._planning:
+            while True:
+                self._wakeup.clear()
+                plan = self._plan(time.monotonic_ns())
+                if isinstance(plan, list):
+                    self._dispatch(plan)
+                    return plan
+                if plan is None and self._stopping:
+                    return None
+                try:
+                    async with asyncio.timeout(plan):
+                        await self._wakeup.wait()
+                except TimeoutError:
+                    pass
+
+    def _plan(self, now_ns: int) -> list[_Entry] | float | None:
+        """The batch to send now, or seconds to wait for a better one (None: until woken)."""
+        # A cancelled caller's entry may linger until its task runs; never send it.
+        candidates = (entry for entry in self._queued() if not entry.future.done())
+        head = next(candidates, None)
+        if head is None:
+            return None
+        if not self._combine:
+            return [head]
+        batch, rows, closed = self._gather(head, candidates)
+        cut = self._preferred_cut(batch)
+        if cut:
+            return batch[:cut]
+        if closed or self._stopping or rows >= self._policy.max_batch_size:
+            return batch
+        heads = (queue[0] for queue in (*self._levels, self._delayed) if queue)
+        oldest_ns = min(entry.request.queue_start_ns for entry in heads)
+        wait_ns = oldest_ns + self._policy.max_queue_delay_us * 1000 - now_ns
+        return batch if wait_ns <= 0 else wait_ns / 1e9
+
+    def _gather(self, head: _Entry, rest: Iterator[_Entry]) -> tuple[list[_Entry], int, bool]:
+        """The longest run from ``head`` that shares its shape and fits; closed if cut."""
+        batch, rows = [head], head.rows
+        for entry in rest:
+            if entry.key != head.key or rows + entry.rows > self._policy.max_batch_size:
+                return batch, rows, True
+            batch.append(entry)
+            rows += entry.rows
+        return batch, rows, False
+
+    def _preferred_cut(self, batch: list[_Entry]) -> int:
+        """How many requests to send now for a preferred size; 0 to decide otherwise."""
+        if not self._preferred:
+            return 0
+        rows = best = fits = 0
+        for count, entry in enumerate(batch, start=1):
+            rows += entry.rows
+            if rows in self._preferred:
+                best = count
+            if rows <= self._max_preferred:
+                fits = count
+        if best:
+            return best
+        if rows > self._max_preferred:  # past every preferred size: send what fits the largest
+            return max(fits, 1)
+        return 0
+
+    def _dispatch(self, batch: list[_Entry]) -> None:
+        now_ns = time.monotonic_ns()
+        for entry in batch:
+            self._unqueue(entry)
+            entry.request.compute_start_ns = now_ns
+        self._executing += len(batch)
+
+    # -- execution and delivery ------------------------------------------------
+
+    async def _work(self, instance: ModelInstance) -> None:
+        while (batch := await self._next_batch()) is not None:
+            await self._execute(instance, batch)
+
+    async def _execute(self, instance: ModelInstance, batch: list[_Entry]) -> None:
+        start_ns = time.monotonic_ns()
+        try:
+            results = await self._call(instance, batch)
+        except asyncio.CancelledError:
+            stopped = Unavailable(f"model '{self.name}' stopped before the request finished")
+            for entry in batch:
+                self._fail(entry, stopped)
+            raise
+        finally:
+            self._executing -= len(batch)
+        compute_ns = time.monotonic_ns() - start_ns
+        for entry, outcome in zip(batch, results, strict=True):
+            self._complete(entry, outcome)
+        if self._on_batch is not None:
+            self._report(self._on_batch, instance.name, batch, results, compute_ns)
+
+    async def _call(self, instance: ModelInstance, batch: list[_Entry]) -> Sequence[_Outcome]:
+        """Run the batch; a failure of the whole call becomes every request's error."""
+        try:
+            results = await instance.execute([entry.request for entry in batch])
+        except Exception as error:
+            return [error] * len(batch)
+        if len(results) != len(batch):
+            mismatch = MeshError(
+                f"model '{self.name}': instance {instance.name} returned {len(results)} "
+                f"results for {len(batch)} requests"
+            )
+            return [mismatch] * len(batch)
+        return results
+
+    def _complete(self, entry: _Entry, outcome: _Outcome) -> None:
+        if self._policy.preserve_ordering:
+            entry.outcome = outcome
+            self._release_in_order()
+        else:
+            _resolve(entry, outcome)
+
+    def _fail(self, entry: _Entry, error: BaseException) -> None:
+        """Fail at once, even with preserve_ordering: errors are not held back."""
+        _resolve(entry, error)
+        self._release_in_order()
+
+    def _release_in_order(self) -> None:
+        order = self._order
+        while order and (order[0].future.done() or order[0].outcome is not None):
+            entry = order.popleft()
+            if entry.outcome is not None:
+                _resolve(entry, entry.outcome)
+
+    def _report(
+        self,
+        on_batch: Callable[[BatchRecord], None],
+        instance: str,
+        batch: list[_Entry],
+        results: Sequence[_Outcome],
+        compute_ns: int,
+    ) -> None:
+        waits = (entry.request.compute_start_ns - entry.request.queue_start_ns for entry in batch)
+        errors = sum(isinstance(outcome, BaseException) for outcome in results)
+        rows = sum(entry.rows for entry in batch)
+        record = BatchRecord(
+            self.name, instance, rows, len(batch), tuple(waits), compute_ns, errors
+        )
+        try:
+            on_batch(record)
+        except Exception:  # statistics must never break serving
+            _log.exception("model %s: on_batch callback failed", self.name)
+
+    def _worker_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (error := task.exception()) is not None:
+            _log.error("model %s: %s died", self.name, task.get_name(), exc_info=error)

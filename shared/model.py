@@ -1,0 +1,351 @@
+"""One loaded model version: validation, instances, batcher, warmup, statistics.
+
+The request path inside a stage: ``ModelVersion.infer`` checks the request
+against the config (names, datatypes, shapes, batch size), queues it in the
+dynamic batcher, and a ``ThreadedInstance`` runs the batch in its own thread so
+the event loop never blocks on model compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from inference import model_config_pb2 as mc
+from shared.backend import (
+    Backend,
+    BackendInstance,
+    InstanceSpec,
+    ModelSpec,
+    default_intra_op_threads,
+)
+from shared.batcher import BatchPolicy, DynamicBatcher, QueuePolicy
+from shared.errors import ConfigError, InvalidArgument, MeshError, Unavailable
+from shared.request import InferRequest, InferResponse
+from shared.statistics import Metrics, StatsRecorder
+from shared.tensors import DATATYPES, config_datatype, datatype_of
+
+log = logging.getLogger(__name__)
+
+
+class ThreadedInstance:
+    """A backend instance behind its own thread, as the batcher sees it."""
+
+    def __init__(
+        self,
+        spec: InstanceSpec,
+        instance: BackendInstance,
+        executor: ThreadPoolExecutor,
+        stats: StatsRecorder,
+        batched: bool,
+    ) -> None:
+        self.name = spec.name
+        self.spec = spec
+        self.instance = instance
+        self._executor = executor
+        self._stats = stats
+        self._batched = batched
+
+    async def execute(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
+        """Run the batch in this instance's thread and record its statistics."""
+        loop = asyncio.get_running_loop()
+        started = time.monotonic_ns()
+        results = await loop.run_in_executor(self._executor, self.instance.execute, requests)
+        rows = sum(request.batch_size(self._batched) for request in requests)
+        self._stats.batch_done(rows, 0, time.monotonic_ns() - started, 0)
+        return results
+
+    def close(self) -> None:
+        """Release the backend instance in its own thread, then the thread."""
+        try:
+            self._executor.submit(self.instance.close).result(timeout=30)
+        finally:
+            self._executor.shutdown(wait=False)
+
+
+def batch_policy(config: mc.ModelConfig) -> BatchPolicy:
+    """Triton's dynamic_batching settings as a BatchPolicy."""
+    dyn = config.dynamic_batching
+
+    def queue_policy(policy: mc.ModelQueuePolicy) -> QueuePolicy:
+        return QueuePolicy(
+            timeout_action="DELAY"
+            if policy.timeout_action == mc.ModelQueuePolicy.DELAY
+            else "REJECT",
+            default_timeout_us=policy.default_timeout_microseconds,
+            allow_timeout_override=policy.allow_timeout_override,
+            max_queue_size=policy.max_queue_size,
+        )
+
+    return BatchPolicy(
+        max_batch_size=config.max_batch_size,
+        dynamic_batching=config.HasField("dynamic_batching"),
+        preferred_batch_sizes=tuple(dyn.preferred_batch_size),
+        max_queue_delay_us=dyn.max_queue_delay_microseconds,
+        preserve_ordering=dyn.preserve_ordering,
+        priority_levels=dyn.priority_levels,
+        default_priority_level=dyn.default_priority_level,
+        default_queue_policy=queue_policy(dyn.default_queue_policy),
+        priority_queue_policy={
+            level: queue_policy(policy) for level, policy in dyn.priority_queue_policy.items()
+        },
+    )
+
+
+def instance_specs(config: mc.ModelConfig, cuda_devices: int) -> list[InstanceSpec]:
+    """Expand instance_group into one spec per instance (Triton's naming and rules)."""
+    groups = list(config.instance_group) or [mc.ModelInstanceGroup(count=1)]
+    specs: list[tuple[str, str, str]] = []
+    for index, group in enumerate(groups):
+        name = group.name or f"{config.name}_{index}"
+        count = group.count or 1  # Triton treats an unset count as 1
+        kind = group.kind
+        if kind == mc.ModelInstanceGroup.KIND_AUTO:
+            kind = (
+                mc.ModelInstanceGroup.KIND_GPU if cuda_devices else mc.ModelInstanceGroup.KIND_CPU
+            )
+        if kind == mc.ModelInstanceGroup.KIND_GPU:
+            if cuda_devices == 0:
+                raise ConfigError(
+                    f"model '{config.name}': instance_group '{name}' asks for KIND_GPU, "
+                    "but CUDA is not available on this host"
+                )
+            gpus = list(group.gpus) or list(range(cuda_devices))
+            bad = [gpu for gpu in gpus if gpu < 0 or gpu >= cuda_devices]
+            if bad:
+                raise ConfigError(
+                    f"model '{config.name}': instance_group '{name}' lists gpus {bad}, "
+                    f"but this host has {cuda_devices} CUDA device(s)"
+                )
+            specs += [
+                (f"{name}_{gpu}_{i}", "KIND_GPU", f"cuda:{gpu}")
+                for gpu in gpus
+                for i in range(count)
+            ]
+        else:
+            specs += [(f"{name}_{i}", "KIND_CPU", "cpu") for i in range(count)]
+    cpu_instances = sum(1 for _, kind, _ in specs if kind == "KIND_CPU")
+    threads = _configured_threads(config) or default_intra_op_threads(cpu_instances)
+    return [InstanceSpec(name=n, kind=k, device=d, intra_op_threads=threads) for n, k, d in specs]
+
+
+def _configured_threads(config: mc.ModelConfig) -> int:
+    for key in ("intra_op_thread_count", "INTRA_OP_THREAD_COUNT"):
+        if key in config.parameters:
+            value = config.parameters[key].string_value
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(
+                    f"model '{config.name}': parameter {key} must be a "
+                    f"positive integer, got {value!r}"
+                )
+            return int(value)
+    return 0
+
+
+def cuda_device_count() -> int:
+    """CUDA devices torch can see (0 without torch or CUDA)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def warmup_requests(spec: ModelSpec) -> list[tuple[str, InferRequest, int]]:
+    """The config's model_warmup samples as (name, request, repeat count)."""
+    samples = []
+    batched = spec.config.max_batch_size > 0
+    rng = np.random.default_rng(0)
+    for warm in spec.config.model_warmup:
+        inputs: dict[str, np.ndarray] = {}
+        for name, item in warm.inputs.items():
+            shape = ([max(1, warm.batch_size)] if batched else []) + list(item.dims)
+            dtype = DATATYPES[config_datatype(item.data_type)]
+            if item.HasField("random_data") and dtype.kind in "fiu":
+                inputs[name] = rng.random(shape).astype(dtype)
+            elif dtype.kind == "O":
+                inputs[name] = np.full(shape, b"", dtype=object)
+            else:
+                inputs[name] = np.zeros(shape, dtype=dtype)
+        request = InferRequest(model_name=spec.name, model_version=str(spec.version), inputs=inputs)
+        samples.append((warm.name or "warmup", request, max(1, warm.count)))
+    return samples
+
+
+class ModelVersion:
+    """A model version from load to unload; ``infer`` is its request path."""
+
+    def __init__(self, spec: ModelSpec, backend: Backend, metrics: Metrics | None) -> None:
+        self.spec = spec
+        self.backend = backend
+        self.state = "UNAVAILABLE"
+        self.reason = ""
+        self.stats = StatsRecorder(spec.name, str(spec.version), metrics)
+        self.instances: list[ThreadedInstance] = []
+        self.batcher: DynamicBatcher | None = None
+        self.batched = spec.config.max_batch_size > 0
+        config = spec.config
+        self._inputs = {tensor.name: tensor for tensor in config.input}
+        self._outputs = {tensor.name for tensor in config.output}
+
+    @property
+    def name(self) -> str:
+        """The model's name."""
+        return self.spec.name
+
+    @property
+    def version(self) -> int:
+        """The version number."""
+        return self.spec.version
+
+    @property
+    def ready(self) -> bool:
+        """True once loaded and warmed up, until unloading starts."""
+        return self.state == "READY"
+
+    async def load(self) -> None:
+        """Create the instances (in their threads), warm them up, start batching."""
+        self.state = "LOADING"
+        try:
+            specs = instance_specs(self.spec.config, cuda_device_count())
+            for instance_spec in specs:
+                executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=instance_spec.name)
+                loop = asyncio.get_running_loop()
+                backend_instance = await loop.run_in_executor(
+                    executor, self.backend.create_instance, self.spec, instance_spec
+                )
+                self.instances.append(
+                    ThreadedInstance(
+                        instance_spec, backend_instance, executor, self.stats, self.batched
+                    )
+                )
+            await self._warmup()
+            self.batcher = DynamicBatcher(
+                batch_policy(self.spec.config),
+                self.instances,
+                name=f"{self.name}:{self.version}",
+            )
+            await self.batcher.start()
+        except BaseException as exc:
+            self.state = "UNAVAILABLE"
+            self.reason = str(exc) if isinstance(exc, MeshError) else f"load failed: {exc!r}"
+            await self._close_instances()
+            raise
+        self.state = "READY"
+        self.reason = ""
+
+    async def _warmup(self) -> None:
+        for name, request, count in warmup_requests(self.spec):
+            for instance in self.instances:
+                for _ in range(count):
+                    (result,) = await instance.execute([request])
+                    if isinstance(result, Exception):
+                        raise ConfigError(
+                            f"model '{self.name}': warmup '{name}' failed: {result}"
+                        ) from result
+
+    async def unload(self) -> None:
+        """Stop taking requests, finish the queued ones, release the instances."""
+        self.state = "UNLOADING"
+        if self.batcher is not None:
+            await self.batcher.stop(drain=True)
+        await self._close_instances()
+        self.state = "UNAVAILABLE"
+        self.reason = "unloaded"
+
+    async def _close_instances(self) -> None:
+        loop = asyncio.get_running_loop()
+        for instance in self.instances:
+            await loop.run_in_executor(None, instance.close)
+        self.instances = []
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        """Validate, queue, execute; records success or failure statistics."""
+        started = time.monotonic_ns()
+        try:
+            if not self.ready or self.batcher is None:
+                raise Unavailable(f"model '{self.name}' version {self.version} is not ready")
+            self.validate(request)
+            response = await self.batcher.infer(request)
+        except BaseException as exc:
+            reason = (
+                "REJECTED"
+                if isinstance(exc, MeshError)
+                else ("CANCELED" if isinstance(exc, asyncio.CancelledError) else "BACKEND")
+            )
+            self.stats.request_done(time.monotonic_ns() - started, 0, False, reason)
+            raise
+        finally:
+            if self.batcher is not None:
+                self.stats.set_pending(self.batcher.pending)
+        queue_ns = max(0, request.compute_start_ns - request.queue_start_ns)
+        self.stats.request_done(time.monotonic_ns() - started, queue_ns, True)
+        return response
+
+    def validate(self, request: InferRequest) -> None:
+        """Names, datatypes and shapes against the config; applies ``reshape``."""
+        for name in request.inputs:
+            if name not in self._inputs:
+                raise InvalidArgument(
+                    f"model '{self.name}': unknown input '{name}'; expected {sorted(self._inputs)}"
+                )
+        for name, tensor in self._inputs.items():
+            if name not in request.inputs:
+                if tensor.optional:
+                    continue
+                raise InvalidArgument(f"model '{self.name}': missing input '{name}'")
+            request.inputs[name] = self._check_tensor(tensor, request.inputs[name])
+        for name in request.requested_outputs or ():
+            if name not in self._outputs:
+                raise InvalidArgument(
+                    f"model '{self.name}': unknown output '{name}'; "
+                    f"expected {sorted(self._outputs)}"
+                )
+
+    def _check_tensor(self, tensor: mc.ModelInput, array: np.ndarray) -> np.ndarray:
+        expected_type = config_datatype(tensor.data_type)
+        actual_type = datatype_of(array)
+        if actual_type != expected_type:
+            raise InvalidArgument(
+                f"model '{self.name}': input '{tensor.name}' has datatype {actual_type}, "
+                f"expected {expected_type}"
+            )
+        dims = list(tensor.dims)
+        expected = ([-1] if self.batched else []) + dims
+        shape = list(array.shape)
+        if len(shape) != len(expected) or any(
+            want not in (-1, got) for want, got in zip(expected, shape, strict=True)
+        ):
+            raise InvalidArgument(
+                f"model '{self.name}': input '{tensor.name}' has shape {shape}, expected "
+                f"{expected} (-1 = any)"
+            )
+        if self.batched:
+            rows = shape[0]
+            limit = self.spec.config.max_batch_size
+            if rows < 1 or rows > limit:
+                raise InvalidArgument(
+                    f"model '{self.name}': input '{tensor.name}' batch size {rows} is outside "
+                    f"1..{limit} (max_batch_size)"
+                )
+        if tensor.HasField("reshape"):
+            target = ([shape[0]] if self.batched else []) + list(tensor.reshape.shape)
+            return array.reshape(target)
+        return array
+
+    def metadata(self) -> dict[str, Any]:
+        """Inputs and outputs with v2 datatypes and shapes (-1 for the batch dim)."""
+        prefix = [-1] if self.batched else []
+
+        def describe(tensor: Any) -> tuple[str, str, list[int]]:
+            return tensor.name, config_datatype(tensor.data_type), prefix + list(tensor.dims)
+
+        return {
+            "inputs": [describe(t) for t in self.spec.config.input],
+            "outputs": [describe(t) for t in self.spec.config.output],
+        }

@@ -1,0 +1,296 @@
+"""The KServe v2 servicer over a ModelManager: translation and nothing else.
+
+Each RPC turns the proto into domain objects, calls the manager or a model
+version, and turns the result back into a proto. Errors are raised as
+``shared.errors`` classes and mapped to statuses by the server interceptor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from inference import grpc_service_pb2 as pb
+from inference import grpc_service_pb2_grpc as pb_grpc
+from shared.errors import InvalidArgument, MeshError, Unimplemented
+from shared.manager import ModelManager
+from shared.request import InferRequest, InferResponse
+from shared.statistics import Duration, ModelStats
+from shared.tensors import decode_inputs, encode_outputs, parameters_to_dict
+
+log = logging.getLogger(__name__)
+
+SERVER_NAME = "meshserve"
+SERVER_VERSION = "0.1.0"
+EXTENSIONS = (
+    "classification",
+    "model_repository",
+    "model_configuration",
+    "statistics",
+    "logging",
+    "binary_tensor_data",
+    "parameters",
+)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+
+
+def to_domain(request: pb.ModelInferRequest) -> InferRequest:
+    """A ModelInferRequest as the domain InferRequest."""
+    params = parameters_to_dict(request.parameters)
+    priority = params.get("priority", 0)
+    timeout = params.get("timeout", 0)
+    if not isinstance(priority, int) or priority < 0:
+        raise InvalidArgument(
+            f"parameter 'priority' must be a non-negative integer, got {priority!r}"
+        )
+    if not isinstance(timeout, int) or timeout < 0:
+        raise InvalidArgument(
+            f"parameter 'timeout' must be a non-negative integer (microseconds), got {timeout!r}"
+        )
+    return InferRequest(
+        model_name=request.model_name,
+        model_version=request.model_version,
+        inputs=decode_inputs(request),
+        requested_outputs=[output.name for output in request.outputs] or None,
+        id=request.id,
+        parameters=params,
+        priority=priority,
+        timeout_us=timeout,
+    )
+
+
+def to_proto(
+    request: InferRequest, version: int, response: InferResponse, order: list[str]
+) -> pb.ModelInferResponse:
+    """A domain InferResponse as a ModelInferResponse (outputs raw, in config order)."""
+    message = pb.ModelInferResponse(
+        model_name=request.model_name, model_version=str(version), id=request.id
+    )
+    names = [name for name in order if name in response.outputs]
+    names += [name for name in response.outputs if name not in names]
+    encode_outputs(message, response.outputs, names)
+    return message
+
+
+def _duration(target: pb.StatisticDuration, source: Duration) -> None:
+    target.count = source.count
+    target.ns = source.ns
+
+
+def stats_to_proto(name: str, version: int, stats: ModelStats) -> pb.ModelStatistics:
+    """ModelStats as Triton's ModelStatistics."""
+    message = pb.ModelStatistics(
+        name=name,
+        version=str(version),
+        last_inference=stats.last_inference_ms,
+        inference_count=stats.inference_count,
+        execution_count=stats.execution_count,
+    )
+    infer = message.inference_stats
+    for field in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output"):
+        _duration(getattr(infer, field), getattr(stats, field))
+    for size, batch in sorted(stats.batches.items()):
+        entry = message.batch_stats.add(batch_size=size)
+        _duration(entry.compute_input, batch.compute_input)
+        _duration(entry.compute_infer, batch.compute_infer)
+        _duration(entry.compute_output, batch.compute_output)
+    return message
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+    """GRPCInferenceService for a stage service's models."""
+
+    def __init__(self, manager: ModelManager) -> None:
+        self.manager = manager
+        self._log_settings: dict[str, Any] = {
+            "log_info": True,
+            "log_warning": True,
+            "log_error": True,
+            "log_verbose_level": 0,
+            "log_format": "default",
+        }
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> Any:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> Any:
+        return pb.ServerReadyResponse(ready=self.manager.all_ready())
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> Any:
+        try:
+            ready = self.manager.get(request.name, request.version).ready
+        except MeshError:
+            ready = False
+        return pb.ModelReadyResponse(ready=ready)
+
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> Any:
+        return pb.ServerMetadataResponse(
+            name=SERVER_NAME, version=SERVER_VERSION, extensions=list(EXTENSIONS)
+        )
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> Any:
+        model = self.manager.get(request.name, request.version)
+        versions = sorted(v.version for v in self.manager.loaded() if v.name == request.name)
+        config = model.spec.config
+        response = pb.ModelMetadataResponse(
+            name=model.name,
+            versions=[str(v) for v in versions],
+            platform=config.platform or config.backend,
+        )
+        meta = model.metadata()
+        for target, tensors in (
+            (response.inputs, meta["inputs"]),
+            (response.outputs, meta["outputs"]),
+        ):
+            for name, datatype, shape in tensors:
+                target.add(name=name, datatype=datatype, shape=shape)
+        return response
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> Any:
+        model = self.manager.get(request.model_name, request.model_version)
+        domain = to_domain(request)
+        response = await model.infer(domain)
+        return to_proto(domain, model.version, response, [o.name for o in model.spec.config.output])
+
+    async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
+        # Requests of one stream run concurrently; each response is sent as soon
+        # as it is ready, and a failed request becomes error_message, not the end
+        # of the stream (what tritonclient's streaming callback expects).
+        results: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(request: pb.ModelInferRequest) -> None:
+            try:
+                answer = await self.ModelInfer(request, context)
+                await results.put(pb.ModelStreamInferResponse(infer_response=answer))
+            except MeshError as exc:
+                await results.put(
+                    pb.ModelStreamInferResponse(
+                        error_message=exc.message,
+                        infer_response=pb.ModelInferResponse(
+                            model_name=request.model_name, id=request.id
+                        ),
+                    )
+                )
+
+        async def read() -> None:
+            async for request in request_iterator:
+                task = asyncio.create_task(one(request))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            while tasks:
+                await asyncio.gather(*list(tasks))
+            await results.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await results.get()) is not None:
+                yield item
+            await reader
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> Any:
+        model = self.manager.get(request.name, request.version)
+        return pb.ModelConfigResponse(config=model.spec.config)
+
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> Any:
+        if request.name:
+            versions = (
+                [self.manager.get(request.name, request.version)]
+                if request.version
+                else [v for v in self.manager.loaded() if v.name == request.name]
+            )
+            if not versions:
+                self.manager.get(request.name)  # raises NotFound naming the model
+        else:
+            versions = self.manager.loaded()
+        response = pb.ModelStatisticsResponse()
+        for version in versions:
+            response.model_stats.append(
+                stats_to_proto(version.name, version.version, version.stats.stats)
+            )
+        return response
+
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> Any:
+        rows = self.manager.index(ready_only=request.ready)
+        return pb.RepositoryIndexResponse(
+            models=[
+                pb.RepositoryIndexResponse.ModelIndex(
+                    name=r.name, version=r.version, state=r.state, reason=r.reason
+                )
+                for r in rows
+            ]
+        )
+
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Any
+    ) -> Any:
+        override = request.parameters.get("config")
+        if any(key.startswith("file:") for key in request.parameters):
+            raise Unimplemented(
+                "loading model files sent in the request ('file:' "
+                "parameters) is not supported; place them in the repository"
+            )
+        await self.manager.load(
+            request.model_name, override.string_param if override is not None else None
+        )
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Any
+    ) -> Any:
+        await self.manager.unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    async def TraceSetting(self, request: pb.TraceSettingRequest, context: Any) -> Any:
+        # Tracing is OpenTelemetry, configured per service at start; report it.
+        response = pb.TraceSettingResponse()
+        response.settings["trace_mode"].value.append("opentelemetry")
+        response.settings["trace_level"].value.append("TIMESTAMPS")
+        return response
+
+    async def LogSettings(self, request: pb.LogSettingsRequest, context: Any) -> Any:
+        for key, value in request.settings.items():
+            if key not in self._log_settings:
+                raise InvalidArgument(
+                    f"unknown log setting '{key}'; expected one of {sorted(self._log_settings)}"
+                )
+            which = value.WhichOneof("parameter_choice")
+            self._log_settings[key] = getattr(value, which) if which else None
+        verbose = self._log_settings["log_verbose_level"]
+        logging.getLogger().setLevel(logging.DEBUG if verbose else logging.INFO)
+        response = pb.LogSettingsResponse()
+        for key, value in self._log_settings.items():
+            setting = response.settings[key]
+            if isinstance(value, bool):
+                setting.bool_param = value
+            elif isinstance(value, int):
+                setting.uint32_param = value
+            else:
+                setting.string_param = str(value)
+        return response
+
+    async def _no_shared_memory(self, *_: Any) -> Any:
+        raise Unimplemented(
+            "shared-memory tensors are not supported by meshserve; "
+            "send tensors in raw_input_contents"
+        )
+
+    SystemSharedMemoryStatus = _no_shared_memory
+    SystemSharedMemoryRegister = _no_shared_memory
+    SystemSharedMemoryUnregister = _no_shared_memory
+    CudaSharedMemoryStatus = _no_shared_memory
+    CudaSharedMemoryRegister = _no_shared_memory
+    CudaSharedMemoryUnregister = _no_shared_memory
+
+
+def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    """Register the servicer (the shape ``ServiceParts.servicers`` expects)."""
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]

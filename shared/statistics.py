@@ -1,0 +1,260 @@
+"""Per-model statistics (for ModelStatistics) and Prometheus metrics.
+
+Both are fed from the same two events: a request finished (success or failure
+with a reason) and a batch executed. The Prometheus names follow Triton's
+(``nv_inference_*``, labels ``model`` and ``version``) so existing dashboards
+keep working; histograms the mesh adds are prefixed ``meshserve_``.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+
+_US = 1_000
+
+
+@dataclass
+class Duration:
+    """A count and a total in nanoseconds (Triton's StatisticDuration)."""
+
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int) -> None:
+        """Record one occurrence lasting ``ns``."""
+        self.count += 1
+        self.ns += max(0, ns)
+
+
+@dataclass
+class BatchStats:
+    """Per batch size: compute input / infer / output durations."""
+
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+
+
+@dataclass
+class ModelStats:
+    """What ModelStatistics reports for one model version."""
+
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    inference_count: int = 0
+    execution_count: int = 0
+    last_inference_ms: int = 0
+    batches: dict[int, BatchStats] = field(default_factory=lambda: defaultdict(BatchStats))
+
+
+_TRITON_COUNTER_HEADER = re.compile(rb"^# (HELP|TYPE) (nv_[a-z_]+)_total ", re.MULTILINE)
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """Prometheus text exposition with Triton's counter names kept as they are.
+
+    prometheus_client names every counter family ``<name>_total``; Triton's
+    counters (``nv_*``) are plain names, so their HELP/TYPE lines are put back.
+    """
+    return _TRITON_COUNTER_HEADER.sub(rb"# \1 \2 ", generate_latest(registry))
+
+
+class TritonCounters:
+    """Counters exposed under Triton's exact names.
+
+    prometheus_client's Counter always appends ``_total`` to the sample name;
+    dashboards built for Triton query ``nv_inference_request_success`` itself,
+    so these counters are collected by hand.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._help: dict[str, str] = {}
+        self._values: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+        self._lock = threading.Lock()
+        registry.register(self)  # type: ignore[arg-type]
+
+    def declare(self, name: str, help_text: str) -> None:
+        """Make ``name`` known so it is listed even before its first increment."""
+        self._help[name] = help_text
+        self._values.setdefault(name, {})
+
+    def inc(self, name: str, labels: dict[str, str], amount: float = 1.0) -> None:
+        """Add ``amount`` to the series of ``name`` with ``labels``."""
+        key = tuple(sorted(labels.items()))
+        with self._lock:
+            series = self._values[name]
+            series[key] = series.get(key, 0.0) + amount
+
+    def collect(self) -> list[Metric]:
+        """The current values (called by the registry on each scrape)."""
+        families = []
+        with self._lock:
+            for name, series in self._values.items():
+                family = Metric(name, self._help[name], "counter")
+                for key, value in series.items():
+                    family.add_sample(name, dict(key), value)
+                families.append(family)
+        return families
+
+
+class _Counter:
+    """One named counter of a TritonCounters set, with the labels() idiom."""
+
+    def __init__(
+        self, counters: TritonCounters, name: str, help_text: str, labels: list[str]
+    ) -> None:
+        counters.declare(name, help_text)
+        self._counters = counters
+        self._name = name
+        self._labels = labels
+
+    def labels(self, *values: str) -> _Series:
+        """The series for these label values."""
+        return _Series(self._counters, self._name, dict(zip(self._labels, values, strict=True)))
+
+
+@dataclass
+class _Series:
+    counters: TritonCounters
+    name: str
+    labels: dict[str, str]
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.counters.inc(self.name, self.labels, amount)
+
+
+class Metrics:
+    """The Prometheus metrics of one service, in its own registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["model", "version"]
+        counters = TritonCounters(registry)
+        self.success = _Counter(
+            counters, "nv_inference_request_success", "Successful inference requests", labels
+        )
+        self.failure = _Counter(
+            counters,
+            "nv_inference_request_failure",
+            "Failed inference requests, by reason",
+            [*labels, "reason"],
+        )
+        self.inferences = _Counter(
+            counters,
+            "nv_inference_count",
+            "Inferences performed (rows, batch counted per row)",
+            labels,
+        )
+        self.executions = _Counter(
+            counters, "nv_inference_exec_count", "Model executions (batches)", labels
+        )
+        self.request_us = _Counter(
+            counters,
+            "nv_inference_request_duration_us",
+            "Cumulative end-to-end request time",
+            labels,
+        )
+        self.queue_us = _Counter(
+            counters,
+            "nv_inference_queue_duration_us",
+            "Cumulative time requests waited in the queue",
+            labels,
+        )
+        self.compute_us = _Counter(
+            counters,
+            "nv_inference_compute_infer_duration_us",
+            "Cumulative model compute time",
+            labels,
+        )
+        self.pending = Gauge(
+            "nv_inference_pending_request_count",
+            "Requests queued, not yet executing",
+            labels,
+            registry=registry,
+        )
+        self.queue_seconds = Histogram(
+            "meshserve_queue_duration_seconds",
+            "Time each request waited in the queue",
+            labels,
+            registry=registry,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+        )
+        self.compute_seconds = Histogram(
+            "meshserve_compute_duration_seconds",
+            "Time each batch spent in the model",
+            labels,
+            registry=registry,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+        )
+        self.batch_size = Histogram(
+            "meshserve_batch_size",
+            "Rows per executed batch",
+            labels,
+            registry=registry,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+        )
+
+
+class StatsRecorder:
+    """Feeds one model version's ModelStats and the service's Metrics."""
+
+    def __init__(self, model: str, version: str, metrics: Metrics | None) -> None:
+        self.stats = ModelStats()
+        self._labels = (model, version)
+        self._metrics = metrics
+        self._lock = threading.Lock()
+
+    def request_done(self, duration_ns: int, queue_ns: int, ok: bool, reason: str = "") -> None:
+        """One request finished (its whole time, its queue wait, and how)."""
+        with self._lock:
+            (self.stats.success if ok else self.stats.fail).add(duration_ns)
+            if ok:
+                self.stats.queue.add(queue_ns)
+                self.stats.last_inference_ms = int(time.time() * 1000)
+        if self._metrics is None:
+            return
+        if ok:
+            self._metrics.success.labels(*self._labels).inc()
+            self._metrics.request_us.labels(*self._labels).inc(duration_ns / _US)
+            self._metrics.queue_us.labels(*self._labels).inc(queue_ns / _US)
+            self._metrics.queue_seconds.labels(*self._labels).observe(queue_ns / 1e9)
+        else:
+            self._metrics.failure.labels(*self._labels, reason or "OTHER").inc()
+
+    def batch_done(self, rows: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        """One batch executed: its rows and its compute phases."""
+        with self._lock:
+            self.stats.inference_count += rows
+            self.stats.execution_count += 1
+            for total, ns in (
+                (self.stats.compute_input, input_ns),
+                (self.stats.compute_infer, infer_ns),
+                (self.stats.compute_output, output_ns),
+            ):
+                total.add(ns)
+            batch = self.stats.batches[rows]
+            batch.compute_input.add(input_ns)
+            batch.compute_infer.add(infer_ns)
+            batch.compute_output.add(output_ns)
+        if self._metrics is None:
+            return
+        self._metrics.inferences.labels(*self._labels).inc(rows)
+        self._metrics.executions.labels(*self._labels).inc()
+        self._metrics.compute_us.labels(*self._labels).inc(infer_ns / _US)
+        self._metrics.compute_seconds.labels(*self._labels).observe(infer_ns / 1e9)
+        self._metrics.batch_size.labels(*self._labels).observe(rows)
+
+    def set_pending(self, count: int) -> None:
+        """The number of queued requests right now."""
+        if self._metrics is not None:
+            self._metrics.pending.labels(*self._labels).set(count)
