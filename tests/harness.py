@@ -1,0 +1,110 @@
+"""Test harness: real service processes on free ports, and out-of-process clients.
+
+Services run as their own processes (``python -m services.<name>.main``) with
+port 0; the harness reads the ``MESHSERVE_READY`` line to learn the ports.
+tritonclient cannot share a process with our generated ``inference`` package
+(duplicate protobuf symbols), so its calls run in a child process too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+CLIENTS = Path(__file__).resolve().parent / "clients"
+READY_MARKER = "MESHSERVE_READY"
+
+
+class ServiceProcess:
+    """One service process started by a test; stopped (by PID) at the end."""
+
+    def __init__(
+        self,
+        module: str,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        timeout: float = 120.0,
+    ) -> None:
+        self.log_path = Path(tempfile.mkstemp(prefix=f"{module}-", suffix=".log")[1])
+        self._log = self.log_path.open("w")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, "--grpc-port", "0", *args],
+            cwd=ROOT,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+        self.info = self._wait_ready(timeout)
+        self.address: str = self.info["grpc"]
+        # Keep draining stdout so the child never blocks on a full pipe.
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _wait_ready(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"service exited with {self.proc.returncode}:\n{self.logs()}"
+                    )
+                continue
+            if line.startswith(READY_MARKER):
+                info: dict[str, Any] = json.loads(line[len(READY_MARKER) :])
+                return info
+        self.stop()
+        raise TimeoutError(f"service not ready in {timeout}s:\n{self.logs()}")
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for _ in self.proc.stdout:
+            pass
+
+    def logs(self) -> str:
+        """Everything the service wrote to stderr so far."""
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def signal(self, sig: int) -> None:
+        """Send a signal to the service's own PID."""
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait, SIGKILL as a last resort; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+def run_client(script: str, *args: Any, timeout: float = 300.0) -> Any:
+    """Run ``tests/clients/<script>`` in a child process; returns its JSON stdout."""
+    command = [sys.executable, str(CLIENTS / script), *[json.dumps(a) for a in args]]
+    done = subprocess.run(  # noqa: PLW1510 - the exit code is checked below
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"{script} failed ({done.returncode}):\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

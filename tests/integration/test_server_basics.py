@@ -1,0 +1,117 @@
+"""A server built from shared/: tritonclient basics, health, reflection, metrics, errors."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from inference import grpc_service_pb2 as pb
+from inference import grpc_service_pb2_grpc as pb_grpc
+from shared.tensors import decode_outputs, encode_inputs
+from tests.harness import ServiceProcess, run_client
+
+
+@pytest.fixture(scope="module")
+def bare_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    empty = tmp_path_factory.mktemp("empty-repo")
+    service = ServiceProcess(
+        "services.inference.main", ["--model-repository", str(empty), "--metrics-port", "0"]
+    )
+    yield service
+    service.stop()
+
+
+def test_tritonclient_server_live_ready_metadata(bare_service: ServiceProcess) -> None:
+    answer = run_client("server_basics.py", bare_service.address)
+    assert answer["live"] is True
+    assert answer["ready"] is True
+    assert answer["name"] == "meshserve"
+    assert answer["version"]
+    assert "model_repository" in answer["extensions"]
+
+
+def test_health_and_reflection(bare_service: ServiceProcess) -> None:
+    with grpc.insecure_channel(bare_service.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "inference.GRPCInferenceService"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        (answer,) = list(reflect.ServerReflectionInfo(iter([request])))
+        names = {s.name for s in answer.list_services_response.service}
+        assert "inference.GRPCInferenceService" in names
+        assert "grpc.health.v1.Health" in names
+
+
+def test_metrics_endpoint_serves_prometheus_text(bare_service: ServiceProcess) -> None:
+    port = bare_service.info["metrics_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        body = reply.read().decode()
+    assert "# TYPE nv_inference_request_success counter" in body
+
+
+def test_unknown_model_is_not_found(bare_service: ServiceProcess) -> None:
+    with grpc.insecure_channel(bare_service.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.ModelInfer(pb.ModelInferRequest(model_name="ghost"))
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "ghost" in caught.value.details()
+
+
+def test_shared_memory_is_unimplemented_with_a_message(bare_service: ServiceProcess) -> None:
+    with grpc.insecure_channel(bare_service.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest())
+    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "shared-memory" in caught.value.details()
+
+
+def test_unexpected_error_is_internal_without_details(python_service: ServiceProcess) -> None:
+    request = pb.ModelInferRequest(model_name="crash")
+    encode_inputs(request, {"X": np.array([1.0], dtype=np.float32)})
+    with grpc.insecure_channel(python_service.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.ModelInfer(request)
+        assert caught.value.code() == grpc.StatusCode.INTERNAL
+        assert "secret" not in caught.value.details()
+        assert "Traceback" not in caught.value.details()
+        # The traceback is in the server's log, and the server still serves.
+        assert "secret internal detail" in python_service.logs()
+        assert stub.ServerLive(pb.ServerLiveRequest()).live
+
+
+def test_wrong_byte_length_is_invalid_argument_naming_the_tensor(
+    python_service: ServiceProcess,
+) -> None:
+    request = pb.ModelInferRequest(model_name="add_sub")
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 4])
+    request.inputs.add(name="INPUT1", datatype="FP32", shape=[1, 4])
+    request.raw_input_contents.extend([b"\x00" * 16, b"\x00" * 15])
+    with grpc.insecure_channel(python_service.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.ModelInfer(request)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "'INPUT1'" in caught.value.details()
+        assert "15 bytes" in caught.value.details()
+        good = pb.ModelInferRequest(model_name="add_sub")
+        encode_inputs(
+            good, {"INPUT0": np.ones((1, 4), np.float32), "INPUT1": np.ones((1, 4), np.float32)}
+        )
+        outputs = decode_outputs(stub.ModelInfer(good))
+        assert outputs["OUTPUT0"].tolist() == [[2.0] * 4]
+
+
+def test_python_models_dir_is_used(python_models_repo: Path) -> None:
+    assert (python_models_repo / "add_sub" / "1" / "model.py").is_file()
