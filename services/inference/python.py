@@ -10,7 +10,6 @@ as ``triton_python_backend_utils`` (see ``python_utils``).
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 from typing import Any
 
@@ -108,10 +107,3 @@ class PythonBackend:
     def create_instance(self, model: ModelSpec, instance: InstanceSpec) -> PythonInstance:
         """Import and initialise one instance (in its own thread)."""
         return PythonInstance(model, instance)
-
-
-def config_json(spec: ModelSpec) -> dict[str, Any]:
-    """The model config as the dict a python model receives."""
-    return dict(
-        json.loads(json_format.MessageToJson(spec.config, preserving_proto_field_name=True))
-    )

@@ -1,0 +1,58 @@
+"""A stage service: the shared v2 server plus the backends it registers.
+
+The inference, tokenizer, preprocess and postprocess services differ only in
+their backends; each ``main`` builds a ``StageConfig`` and calls ``run_stage``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from pydantic import Field
+
+from shared.backend import Backend
+from shared.config import ServiceConfig, load_config
+from shared.launch import run_service
+from shared.manager import ModelManager
+from shared.repository import ModelRepository
+from shared.server import ServiceParts
+from shared.servicer import SERVICE_NAME, InferenceServicer, add_to_server
+from shared.statistics import Metrics
+
+
+class StageConfig(ServiceConfig):
+    """Settings of a stage service (any service that hosts models)."""
+
+    model_repository: Path = Path("model_repository")
+    """Triton-layout model repository folder."""
+    load_models: list[str] = Field(default_factory=list)
+    """Models to load at start; empty loads every model this service hosts."""
+
+
+def build_stage_parts(config: StageConfig, backends: Mapping[str, Backend]) -> ServiceParts:
+    """The v2 servicer over a model manager with ``backends``, and its hooks."""
+    parts = ServiceParts(servicers=[], service_names=[SERVICE_NAME])
+    manager = ModelManager(
+        ModelRepository(config.model_repository), backends, Metrics(parts.registry)
+    )
+    parts.servicers = [(add_to_server, InferenceServicer(manager))]
+
+    async def load() -> None:
+        await manager.load_all(config.load_models or None)
+
+    parts.on_start = [load]
+    parts.on_stop = [manager.unload_all]
+    return parts
+
+
+def run_stage(
+    service: str,
+    config_class: type[StageConfig],
+    backends: Mapping[str, Backend],
+    argv: Sequence[str] | None,
+) -> None:
+    """Parse the config once, then serve ``backends`` until SIGTERM."""
+    config = load_config(config_class, argv, service=service)
+    asyncio.run(run_service(config, build_stage_parts(config, backends)))
