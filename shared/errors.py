@@ -106,3 +106,20 @@ class FailedPrecondition(MeshError):
 
 
 GENERIC_INTERNAL_MESSAGE = "internal error; the server log has the details"
+
+
+def error_for_status(code: grpc.StatusCode, message: str) -> MeshError:
+    """The MeshError class that carries ``code`` (a remote status re-raised here)."""
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        Overloaded,
+        Unavailable,
+        DeadlineExceeded,
+        Cancelled,
+        Unimplemented,
+        FailedPrecondition,
+    ):
+        if cls.code == code:
+            return cls(message)
+    return MeshError(message)

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+from opentelemetry import trace
 
 from inference import model_config_pb2 as mc
 from shared.backend import (
@@ -283,8 +284,16 @@ class ModelVersion:
         finally:
             if self.batcher is not None:
                 self.stats.set_pending(self.batcher.pending)
+        finished = time.monotonic_ns()
         queue_ns = max(0, request.compute_start_ns - request.queue_start_ns)
-        self.stats.request_done(time.monotonic_ns() - started, queue_ns, True)
+        self.stats.request_done(finished - started, queue_ns, True)
+        # Queue and compute time on the RPC's server span, so a trace shows
+        # where a stage spent the request's time.
+        span = trace.get_current_span()
+        span.set_attribute("meshserve.model", self.name)
+        span.set_attribute("meshserve.model_version", self.version)
+        span.set_attribute("meshserve.queue_us", queue_ns // 1000)
+        span.set_attribute("meshserve.compute_us", (finished - request.compute_start_ns) // 1000)
         return response
 
     def validate(self, request: InferRequest) -> None:

@@ -47,6 +47,8 @@ class ServiceParts:
     """Run after the gRPC server stopped (e.g. stop batchers, unload models)."""
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     """Prometheus registry served on /metrics."""
+    tracer_provider: TracerProvider | None = None
+    """Set when the service's own code makes spans (else the server makes one)."""
 
 
 class MeshServer:
@@ -60,8 +62,10 @@ class MeshServer:
     ) -> None:
         self.config = config
         self.parts = parts
-        self.tracer_provider = tracer_provider or make_tracer_provider(
-            config.service_name, config.otlp_endpoint
+        self.tracer_provider = (
+            tracer_provider
+            or parts.tracer_provider
+            or make_tracer_provider(config.service_name, config.otlp_endpoint)
         )
         self.interceptor = ServerInterceptor(tracer_for(self.tracer_provider, "meshserve.server"))
         self.health = health.aio.HealthServicer()

@@ -101,11 +101,10 @@ def stats_to_proto(name: str, version: int, stats: ModelStats) -> pb.ModelStatis
     return message
 
 
-class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
-    """GRPCInferenceService for a stage service's models."""
+class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+    """The RPCs every v2 server in the mesh answers the same way."""
 
-    def __init__(self, manager: ModelManager) -> None:
-        self.manager = manager
+    def __init__(self) -> None:
         self._log_settings: dict[str, Any] = {
             "log_info": True,
             "log_warning": True,
@@ -117,44 +116,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> Any:
         return pb.ServerLiveResponse(live=True)
 
-    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> Any:
-        return pb.ServerReadyResponse(ready=self.manager.all_ready())
-
-    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> Any:
-        try:
-            ready = self.manager.get(request.name, request.version).ready
-        except MeshError:
-            ready = False
-        return pb.ModelReadyResponse(ready=ready)
-
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> Any:
         return pb.ServerMetadataResponse(
             name=SERVER_NAME, version=SERVER_VERSION, extensions=list(EXTENSIONS)
         )
-
-    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> Any:
-        model = self.manager.get(request.name, request.version)
-        versions = sorted(v.version for v in self.manager.loaded() if v.name == request.name)
-        config = model.spec.config
-        response = pb.ModelMetadataResponse(
-            name=model.name,
-            versions=[str(v) for v in versions],
-            platform=config.platform or config.backend,
-        )
-        meta = model.metadata()
-        for target, tensors in (
-            (response.inputs, meta["inputs"]),
-            (response.outputs, meta["outputs"]),
-        ):
-            for name, datatype, shape in tensors:
-                target.add(name=name, datatype=datatype, shape=shape)
-        return response
-
-    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> Any:
-        model = self.manager.get(request.model_name, request.model_version)
-        domain = to_domain(request)
-        response = await model.infer(domain)
-        return to_proto(domain, model.version, response, [o.name for o in model.spec.config.output])
 
     async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
         # Requests of one stream run concurrently; each response is sent as soon
@@ -165,7 +130,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
         async def one(request: pb.ModelInferRequest) -> None:
             try:
-                answer = await self.ModelInfer(request, context)
+                answer = await self.ModelInfer(request, context)  # type: ignore[no-untyped-call]
                 await results.put(pb.ModelStreamInferResponse(infer_response=answer))
             except MeshError as exc:
                 await results.put(
@@ -195,6 +160,89 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
+
+    async def TraceSetting(self, request: pb.TraceSettingRequest, context: Any) -> Any:
+        # Tracing is OpenTelemetry, configured per service at start; report it.
+        response = pb.TraceSettingResponse()
+        response.settings["trace_mode"].value.append("opentelemetry")
+        response.settings["trace_level"].value.append("TIMESTAMPS")
+        return response
+
+    async def LogSettings(self, request: pb.LogSettingsRequest, context: Any) -> Any:
+        for key, value in request.settings.items():
+            if key not in self._log_settings:
+                raise InvalidArgument(
+                    f"unknown log setting '{key}'; expected one of {sorted(self._log_settings)}"
+                )
+            which = value.WhichOneof("parameter_choice")
+            self._log_settings[key] = getattr(value, which) if which else None
+        verbose = self._log_settings["log_verbose_level"]
+        logging.getLogger().setLevel(logging.DEBUG if verbose else logging.INFO)
+        response = pb.LogSettingsResponse()
+        for key, value in self._log_settings.items():
+            setting = response.settings[key]
+            if isinstance(value, bool):
+                setting.bool_param = value
+            elif isinstance(value, int):
+                setting.uint32_param = value
+            else:
+                setting.string_param = str(value)
+        return response
+
+    async def _no_shared_memory(self, *_: Any) -> Any:
+        raise Unimplemented(
+            "shared-memory tensors are not supported by meshserve; "
+            "send tensors in raw_input_contents"
+        )
+
+    SystemSharedMemoryStatus = _no_shared_memory
+    SystemSharedMemoryRegister = _no_shared_memory
+    SystemSharedMemoryUnregister = _no_shared_memory
+    CudaSharedMemoryStatus = _no_shared_memory
+    CudaSharedMemoryRegister = _no_shared_memory
+    CudaSharedMemoryUnregister = _no_shared_memory
+
+
+class InferenceServicer(BaseServicer):
+    """GRPCInferenceService for a stage service's models."""
+
+    def __init__(self, manager: ModelManager) -> None:
+        super().__init__()
+        self.manager = manager
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> Any:
+        return pb.ServerReadyResponse(ready=self.manager.all_ready())
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> Any:
+        try:
+            ready = self.manager.get(request.name, request.version).ready
+        except MeshError:
+            ready = False
+        return pb.ModelReadyResponse(ready=ready)
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> Any:
+        model = self.manager.get(request.name, request.version)
+        versions = sorted(v.version for v in self.manager.loaded() if v.name == request.name)
+        config = model.spec.config
+        response = pb.ModelMetadataResponse(
+            name=model.name,
+            versions=[str(v) for v in versions],
+            platform=config.platform or config.backend,
+        )
+        meta = model.metadata()
+        for target, tensors in (
+            (response.inputs, meta["inputs"]),
+            (response.outputs, meta["outputs"]),
+        ):
+            for name, datatype, shape in tensors:
+                target.add(name=name, datatype=datatype, shape=shape)
+        return response
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> Any:
+        model = self.manager.get(request.model_name, request.model_version)
+        domain = to_domain(request)
+        response = await model.infer(domain)
+        return to_proto(domain, model.version, response, [o.name for o in model.spec.config.output])
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> Any:
         model = self.manager.get(request.name, request.version)
@@ -248,47 +296,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     ) -> Any:
         await self.manager.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
-
-    async def TraceSetting(self, request: pb.TraceSettingRequest, context: Any) -> Any:
-        # Tracing is OpenTelemetry, configured per service at start; report it.
-        response = pb.TraceSettingResponse()
-        response.settings["trace_mode"].value.append("opentelemetry")
-        response.settings["trace_level"].value.append("TIMESTAMPS")
-        return response
-
-    async def LogSettings(self, request: pb.LogSettingsRequest, context: Any) -> Any:
-        for key, value in request.settings.items():
-            if key not in self._log_settings:
-                raise InvalidArgument(
-                    f"unknown log setting '{key}'; expected one of {sorted(self._log_settings)}"
-                )
-            which = value.WhichOneof("parameter_choice")
-            self._log_settings[key] = getattr(value, which) if which else None
-        verbose = self._log_settings["log_verbose_level"]
-        logging.getLogger().setLevel(logging.DEBUG if verbose else logging.INFO)
-        response = pb.LogSettingsResponse()
-        for key, value in self._log_settings.items():
-            setting = response.settings[key]
-            if isinstance(value, bool):
-                setting.bool_param = value
-            elif isinstance(value, int):
-                setting.uint32_param = value
-            else:
-                setting.string_param = str(value)
-        return response
-
-    async def _no_shared_memory(self, *_: Any) -> Any:
-        raise Unimplemented(
-            "shared-memory tensors are not supported by meshserve; "
-            "send tensors in raw_input_contents"
-        )
-
-    SystemSharedMemoryStatus = _no_shared_memory
-    SystemSharedMemoryRegister = _no_shared_memory
-    SystemSharedMemoryUnregister = _no_shared_memory
-    CudaSharedMemoryStatus = _no_shared_memory
-    CudaSharedMemoryRegister = _no_shared_memory
-    CudaSharedMemoryUnregister = _no_shared_memory
 
 
 def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:

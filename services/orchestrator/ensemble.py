@@ -1,0 +1,278 @@
+"""Ensembles as dataflow graphs: validated at load, executed step by step.
+
+Triton's ``ensemble_scheduling`` lists steps; each maps its model's inputs
+from ensemble tensors (``input_map``: model input -> ensemble tensor) and its
+outputs to ensemble tensors (``output_map``: model output -> ensemble tensor).
+A step runs as soon as all its inputs exist, so independent branches run
+concurrently. Tensors stay in their wire form (datatype, shape, raw bytes):
+the orchestrator forwards them and never decodes them.
+
+No gRPC here: steps are executed through a ``StepCall`` the servicer provides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from inference import model_config_pb2 as mc
+from shared.errors import ConfigError, InvalidArgument, MeshError, error_for_status
+from shared.tensors import config_datatype
+
+
+@dataclass(frozen=True)
+class WireTensor:
+    """A tensor as it travels: v2 datatype, shape and raw little-endian bytes."""
+
+    datatype: str
+    shape: tuple[int, ...]
+    raw: bytes
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A declared tensor: datatype and full shape (-1 = any, batch dim included)."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class ModelIO:
+    """A model's declared inputs and outputs."""
+
+    inputs: Mapping[str, TensorSpec]
+    outputs: Mapping[str, TensorSpec]
+
+    @classmethod
+    def from_config(cls, config: mc.ModelConfig) -> ModelIO:
+        """From a ModelConfig; batched models get a leading -1."""
+        prefix = (-1,) if config.max_batch_size > 0 else ()
+
+        def spec(tensor: mc.ModelInput | mc.ModelOutput, optional: bool) -> TensorSpec:
+            return TensorSpec(
+                tensor.name,
+                config_datatype(tensor.data_type),
+                prefix + tuple(tensor.dims),
+                optional,
+            )
+
+        return cls(
+            inputs={t.name: spec(t, t.optional) for t in config.input},
+            outputs={t.name: spec(t, False) for t in config.output},
+        )
+
+
+@dataclass(frozen=True)
+class Step:
+    """One ensemble step."""
+
+    index: int
+    model: str
+    version: str
+    input_map: Mapping[str, str]
+    output_map: Mapping[str, str]
+
+    def describe(self, ensemble: str) -> str:
+        """``ensemble 'e' step 2 ('model')`` for messages."""
+        return f"ensemble '{ensemble}' step {self.index} ('{self.model}')"
+
+
+StepCall = Callable[[Step, dict[str, WireTensor], list[str]], Awaitable[dict[str, WireTensor]]]
+
+
+def _compatible(a: Sequence[int], b: Sequence[int]) -> bool:
+    return len(a) == len(b) and all(x == y or -1 in (x, y) for x, y in zip(a, b, strict=True))
+
+
+class EnsemblePlan:
+    """A validated ensemble, ready to run."""
+
+    def __init__(self, config: mc.ModelConfig, steps: list[Step], io: ModelIO) -> None:
+        self.name = config.name
+        self.config = config
+        self.steps = steps
+        self.io = io
+
+    @classmethod
+    def build(cls, config: mc.ModelConfig, models: Mapping[str, ModelIO]) -> EnsemblePlan:
+        """Validate the graph against the step models' declared tensors."""
+        name = config.name
+        if not config.ensemble_scheduling.step:
+            raise ConfigError(f"ensemble '{name}': ensemble_scheduling has no step")
+        steps = [
+            Step(
+                i,
+                s.model_name,
+                "" if s.model_version < 0 else str(s.model_version),
+                dict(s.input_map),
+                dict(s.output_map),
+            )
+            for i, s in enumerate(config.ensemble_scheduling.step)
+        ]
+        io = ModelIO.from_config(config)
+        producers: dict[str, TensorSpec] = dict(io.inputs)
+        for step in steps:
+            model = models.get(step.model)
+            if model is None:
+                raise ConfigError(
+                    f"{step.describe(name)}: unknown model '{step.model}' (no stage hosts it)"
+                )
+            _check_maps(name, step, model)
+            for out_name, tensor in step.output_map.items():
+                if tensor in producers:
+                    raise ConfigError(
+                        f"{step.describe(name)}: ensemble tensor '{tensor}' is "
+                        "already produced by an ensemble input or another step"
+                    )
+                producers[tensor] = model.outputs[out_name]
+        for step in steps:
+            _check_inputs(name, step, models[step.model], producers)
+        for out in io.outputs.values():
+            if out.name not in producers:
+                raise ConfigError(
+                    f"ensemble '{name}': output '{out.name}' is never produced by any step"
+                )
+            _check_match(f"ensemble '{name}' output '{out.name}'", producers[out.name], out)
+        _check_acyclic(name, steps, set(io.inputs))
+        return cls(config, steps, io)
+
+    async def run(
+        self, inputs: dict[str, WireTensor], call: StepCall, tracer: trace.Tracer
+    ) -> dict[str, WireTensor]:
+        """Execute the graph: each step starts when its inputs exist."""
+        self._check_request(inputs)
+        available = dict(inputs)
+        pending = list(self.steps)
+        running: dict[asyncio.Task[dict[str, WireTensor]], Step] = {}
+        try:
+            while pending or running:
+                for step in [s for s in pending if set(s.input_map.values()) <= set(available)]:
+                    pending.remove(step)
+                    step_inputs = {k: available[v] for k, v in step.input_map.items()}
+                    running[
+                        asyncio.create_task(self._run_step(step, step_inputs, call, tracer))
+                    ] = step
+                if not running:
+                    missing = sorted(
+                        {t for s in pending for t in s.input_map.values()} - set(available)
+                    )
+                    raise InvalidArgument(
+                        f"ensemble '{self.name}': tensors {missing} "
+                        "were never produced (optional input missing?)"
+                    )
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    step = running.pop(task)
+                    outputs = task.result()
+                    for out_name, tensor in step.output_map.items():
+                        available[tensor] = outputs[out_name]
+        finally:
+            for task in running:
+                task.cancel()
+        return {name: available[name] for name in self.io.outputs}
+
+    async def _run_step(
+        self, step: Step, inputs: dict[str, WireTensor], call: StepCall, tracer: trace.Tracer
+    ) -> dict[str, WireTensor]:
+        with tracer.start_as_current_span(
+            f"ensemble step {step.index} {step.model}",
+            attributes={
+                "meshserve.ensemble": self.name,
+                "meshserve.step": step.index,
+                "meshserve.model": step.model,
+            },
+        ):
+            try:
+                return await call(step, inputs, list(step.output_map))
+            except MeshError as exc:
+                raise error_for_status(
+                    exc.code, f"{step.describe(self.name)}: {exc.message}"
+                ) from exc
+
+    def _check_request(self, inputs: Mapping[str, WireTensor]) -> None:
+        for name in inputs:
+            if name not in self.io.inputs:
+                raise InvalidArgument(
+                    f"ensemble '{self.name}': unknown input '{name}'; "
+                    f"expected {sorted(self.io.inputs)}"
+                )
+        for spec in self.io.inputs.values():
+            tensor = inputs.get(spec.name)
+            if tensor is None:
+                if spec.optional:
+                    continue
+                raise InvalidArgument(f"ensemble '{self.name}': missing input '{spec.name}'")
+            if tensor.datatype != spec.datatype:
+                raise InvalidArgument(
+                    f"ensemble '{self.name}': input '{spec.name}' has "
+                    f"datatype {tensor.datatype}, expected {spec.datatype}"
+                )
+            if not _compatible(tensor.shape, spec.shape):
+                raise InvalidArgument(
+                    f"ensemble '{self.name}': input '{spec.name}' has shape "
+                    f"{list(tensor.shape)}, expected {list(spec.shape)}"
+                )
+
+
+def _check_maps(name: str, step: Step, model: ModelIO) -> None:
+    where = step.describe(name)
+    for key in step.input_map:
+        if key not in model.inputs:
+            raise ConfigError(
+                f"{where}: input_map names '{key}', which is not an input of "
+                f"'{step.model}' (inputs: {sorted(model.inputs)})"
+            )
+    for spec in model.inputs.values():
+        if spec.name not in step.input_map and not spec.optional:
+            raise ConfigError(f"{where}: input '{spec.name}' of '{step.model}' is not mapped")
+    for key in step.output_map:
+        if key not in model.outputs:
+            raise ConfigError(
+                f"{where}: output_map names '{key}', which is not an output "
+                f"of '{step.model}' (outputs: {sorted(model.outputs)})"
+            )
+
+
+def _check_inputs(
+    name: str, step: Step, model: ModelIO, producers: Mapping[str, TensorSpec]
+) -> None:
+    for key, tensor in step.input_map.items():
+        producer = producers.get(tensor)
+        if producer is None:
+            raise ConfigError(
+                f"{step.describe(name)}: input '{key}' reads ensemble tensor "
+                f"'{tensor}', which no input or step produces"
+            )
+        _check_match(
+            f"{step.describe(name)} input '{key}' (from '{tensor}')", producer, model.inputs[key]
+        )
+
+
+def _check_match(where: str, produced: TensorSpec, consumed: TensorSpec) -> None:
+    if produced.datatype != consumed.datatype:
+        raise ConfigError(
+            f"{where}: datatype {produced.datatype} does not match {consumed.datatype}"
+        )
+    if not _compatible(produced.shape, consumed.shape):
+        raise ConfigError(
+            f"{where}: shape {list(produced.shape)} does not match {list(consumed.shape)}"
+        )
+
+
+def _check_acyclic(name: str, steps: list[Step], inputs: set[str]) -> None:
+    available = set(inputs)
+    remaining = list(steps)
+    while remaining:
+        runnable = [s for s in remaining if set(s.input_map.values()) <= available]
+        if not runnable:
+            cycle = ", ".join(f"step {s.index} ('{s.model}')" for s in remaining)
+            raise ConfigError(f"ensemble '{name}': steps depend on each other in a cycle: {cycle}")
+        for step in runnable:
+            remaining.remove(step)
+            available.update(step.output_map.values())

@@ -1,0 +1,140 @@
+"""The orchestrator's own models: ensembles read from the repository.
+
+An ensemble is validated against its step models' configs, which are fetched
+from the stages hosting them, so an ensemble can load only once its stages
+are discovered. Ensembles that could not load are retried whenever discovery
+sees a change; the reason stays visible in RepositoryIndex meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from opentelemetry import trace
+
+from inference import model_config_pb2 as mc
+from services.orchestrator.ensemble import EnsemblePlan, ModelIO, StepCall, WireTensor
+from shared.errors import MeshError, NotFound, Unavailable
+from shared.repository import ModelRepository
+from shared.statistics import Metrics, StatsRecorder
+
+log = logging.getLogger(__name__)
+
+FetchConfig = Callable[[str], Awaitable[mc.ModelConfig]]
+
+
+def is_ensemble(config: mc.ModelConfig) -> bool:
+    """True for ``platform: "ensemble"`` models."""
+    return config.platform == "ensemble" or config.backend == "ensemble"
+
+
+class EnsembleRegistry:
+    """Loaded ensemble plans, their failures and their statistics."""
+
+    def __init__(
+        self, repository: ModelRepository | None, fetch_config: FetchConfig, metrics: Metrics | None
+    ) -> None:
+        self.repository = repository
+        self._fetch_config = fetch_config
+        self._metrics = metrics
+        self.plans: dict[str, EnsemblePlan] = {}
+        self.failed: dict[str, str] = {}
+        self.stats: dict[str, StatsRecorder] = {}
+
+    def names(self) -> list[str]:
+        """Ensembles in the repository (loaded or not)."""
+        if self.repository is None:
+            return []
+        names = []
+        for name in self.repository.names():
+            try:
+                if is_ensemble(self.repository.entry(name).config):
+                    names.append(name)
+            except MeshError:
+                continue
+        return names
+
+    async def load_all(self) -> None:
+        """Load every ensemble; failures are recorded (and logged), not raised."""
+        for name in self.names():
+            try:
+                await self.load(name)
+            except MeshError as exc:
+                log.error("ensemble '%s' not loaded: %s", name, exc.message)
+
+    async def retry_failed(self) -> None:
+        """Try again the ensembles that failed (a stage may have come up)."""
+        for name in list(self.failed):
+            try:
+                await self.load(name)
+            except MeshError:
+                continue
+
+    async def load(self, name: str, config: mc.ModelConfig | None = None) -> EnsemblePlan:
+        """Validate and (re)load one ensemble; raises naming the step on error."""
+        if config is None:
+            if self.repository is None:
+                raise NotFound(f"unknown model '{name}'")
+            config = self.repository.entry(name).config
+        try:
+            models: dict[str, ModelIO] = {}
+            for step in config.ensemble_scheduling.step:
+                if step.model_name not in models:
+                    try:
+                        models[step.model_name] = await self._model_io(step.model_name)
+                    except NotFound:
+                        continue  # build() names the step that uses the unknown model
+            plan = EnsemblePlan.build(config, models)
+        except MeshError as exc:
+            self.failed[name] = exc.message
+            self.plans.pop(name, None)
+            raise
+        self.plans[name] = plan
+        self.failed.pop(name, None)
+        self.stats.setdefault(name, StatsRecorder(name, "1", self._metrics))
+        log.info("ensemble '%s' ready (%d steps)", name, len(plan.steps))
+        return plan
+
+    async def _model_io(self, model: str) -> ModelIO:
+        if model in self.plans:
+            return self.plans[model].io
+        try:
+            return ModelIO.from_config(await self._fetch_config(model))
+        except NotFound:
+            raise
+        except MeshError as exc:
+            raise Unavailable(f"model '{model}': config not available: {exc.message}") from exc
+
+    def unload(self, name: str) -> None:
+        """Stop serving an ensemble."""
+        if self.plans.pop(name, None) is None:
+            raise NotFound(f"model '{name}' is not loaded")
+
+    def get(self, name: str) -> EnsemblePlan | None:
+        """The plan, or None when ``name`` is not an ensemble; raises if it failed."""
+        plan = self.plans.get(name)
+        if plan is None and name in self.failed:
+            raise Unavailable(f"ensemble '{name}' is not loaded: {self.failed[name]}")
+        return plan
+
+    async def run(
+        self,
+        plan: EnsemblePlan,
+        inputs: dict[str, WireTensor],
+        call: StepCall,
+        tracer: trace.Tracer,
+    ) -> dict[str, WireTensor]:
+        """Run one request through ``plan``, recording statistics."""
+        started = time.monotonic_ns()
+        recorder = self.stats[plan.name]
+        try:
+            outputs = await plan.run(inputs, call, tracer)
+        except BaseException:
+            recorder.request_done(time.monotonic_ns() - started, 0, False, "BACKEND")
+            raise
+        elapsed = time.monotonic_ns() - started
+        recorder.request_done(elapsed, 0, True)
+        recorder.batch_done(1, 0, elapsed, 0)
+        return outputs

@@ -1,0 +1,79 @@
+"""The orchestrator: KServe v2 for every model in the mesh; runs ensembles.
+
+``python -m services.orchestrator.main --stages inference=127.0.0.1:8003 ...
+--model-repository DIR``
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import Field
+
+from services.orchestrator.ensembles import EnsembleRegistry
+from services.orchestrator.router import StageAddress, StageRouter
+from services.orchestrator.servicer import OrchestratorServicer
+from shared.config import ServiceConfig, load_config
+from shared.launch import run_service
+from shared.repository import ModelRepository
+from shared.server import ServiceParts
+from shared.servicer import SERVICE_NAME, add_to_server
+from shared.statistics import Metrics
+from shared.tracing import make_tracer_provider, tracer_for
+
+
+class OrchestratorConfig(ServiceConfig):
+    """Settings of the orchestrator."""
+
+    grpc_port: int = Field(8001, ge=0, le=65535)
+    """The mesh's public gRPC port (KServe v2)."""
+    metrics_port: int = Field(8002, ge=-1, le=65535)
+    """Prometheus /metrics port; 0 picks a free one, -1 turns it off."""
+    stages: list[str] = Field(default_factory=list)
+    """Stage endpoints as name=host:port (repeat the flag; one entry per replica)."""
+    model_repository: Path | None = None
+    """Repository holding the ensembles (the same folder the stages read)."""
+    channels_per_stage: int = Field(4, ge=1, le=64)
+    """HTTP/2 connections to each stage replica (one caps throughput under load)."""
+    refresh_interval_s: float = Field(2.0, ge=0.1, le=300.0)
+    """How often stage discovery re-reads each replica's RepositoryIndex."""
+
+
+def build_parts(config: OrchestratorConfig) -> ServiceParts:
+    """Router, ensemble registry, servicer and their start/stop hooks."""
+    provider = make_tracer_provider(config.service_name, config.otlp_endpoint)
+    tracer = tracer_for(provider, "meshserve.orchestrator")
+    parts = ServiceParts(servicers=[], service_names=[SERVICE_NAME], tracer_provider=provider)
+    router = StageRouter(
+        [StageAddress.parse(text) for text in config.stages],
+        channels_per_endpoint=config.channels_per_stage,
+        max_message_bytes=config.max_message_bytes,
+        tracer=tracer,
+        refresh_interval_s=config.refresh_interval_s,
+    )
+    repository = ModelRepository(config.model_repository) if config.model_repository else None
+    ensembles = EnsembleRegistry(repository, router.model_config, Metrics(parts.registry))
+    servicer = OrchestratorServicer(router, ensembles, tracer)
+    parts.servicers = [(add_to_server, servicer)]
+
+    async def start() -> None:
+        await router.start()
+        await ensembles.load_all()
+        router.on_change = ensembles.retry_failed
+
+    parts.on_start = [start]
+    parts.on_stop = [router.stop]
+    return parts
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parse the config once and serve until SIGTERM."""
+    config = load_config(OrchestratorConfig, argv, service="orchestrator")
+    asyncio.run(run_service(config, build_parts(config)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

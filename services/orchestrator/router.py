@@ -1,0 +1,250 @@
+"""Where each model lives: stage endpoints, discovery, replica choice, retries.
+
+The orchestrator is given stage endpoints (``name=host:port``; in Kubernetes a
+headless Service name resolves to every replica). It learns which models each
+endpoint hosts from RepositoryIndex and refreshes that periodically, so no
+routing table is kept by hand. A call goes to the ready replica with the
+fewest calls in flight; when a replica cannot be reached the call is retried
+once on another replica (model inference here is idempotent), and the replica
+is marked unready until the next refresh finds it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+from opentelemetry import trace
+
+from inference import grpc_service_pb2 as pb
+from inference import grpc_service_pb2_grpc as pb_grpc
+from inference import model_config_pb2 as mc
+from shared.errors import InvalidArgument, NotFound, Unavailable, error_for_status
+from shared.interceptors import client_interceptors
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Status codes that say "this replica could not do it", not "the request is bad".
+_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+
+@dataclass(frozen=True)
+class StageAddress:
+    """One configured endpoint: a stage name and ``host:port``."""
+
+    stage: str
+    target: str
+
+    @classmethod
+    def parse(cls, text: str) -> StageAddress:
+        """``name=host:port`` or plain ``host:port`` (the name is then the address)."""
+        name, sep, target = text.partition("=")
+        if not sep:
+            name, target = text, text
+        if not target or ":" not in target:
+            raise InvalidArgument(f"stage endpoint {text!r}: expected name=host:port")
+        return cls(stage=name.strip(), target=target.strip())
+
+
+@dataclass
+class Endpoint:
+    """A stage replica: a small pool of channels, and what it hosts."""
+
+    address: StageAddress
+    stubs: list[pb_grpc.GRPCInferenceServiceStub]
+    channels: list[grpc.aio.Channel]
+    models: set[str] = field(default_factory=set)
+    ready: bool = False
+    in_flight: int = 0
+    _next: itertools.cycle[int] = field(default_factory=lambda: itertools.cycle([0]))
+
+    def stub(self) -> pb_grpc.GRPCInferenceServiceStub:
+        """The next channel's stub (round robin over the pool)."""
+        return self.stubs[next(self._next)]
+
+    def describe(self) -> str:
+        """``stage 'name' (host:port)`` for error messages."""
+        return f"stage '{self.address.stage}' ({self.address.target})"
+
+
+def open_endpoint(
+    address: StageAddress, channels: int, max_message_bytes: int, tracer: trace.Tracer
+) -> Endpoint:
+    """Open ``channels`` HTTP/2 connections to one replica."""
+    options = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Separate subchannels: without this, grpc shares one connection
+        # between channels to the same target, which caps throughput.
+        ("grpc.use_local_subchannel_pool", 1),
+        ("grpc.keepalive_time_ms", 30_000),
+    ]
+    opened = [
+        grpc.aio.insecure_channel(
+            address.target, options=options, interceptors=client_interceptors(tracer)
+        )
+        for _ in range(channels)
+    ]
+    stubs = [pb_grpc.GRPCInferenceServiceStub(c) for c in opened]  # type: ignore[no-untyped-call]
+    endpoint = Endpoint(address, stubs, opened)
+    endpoint._next = itertools.cycle(range(channels))
+    return endpoint
+
+
+class StageRouter:
+    """Knows every replica of every stage and which models each serves."""
+
+    def __init__(
+        self,
+        addresses: Sequence[StageAddress],
+        *,
+        channels_per_endpoint: int,
+        max_message_bytes: int,
+        tracer: trace.Tracer,
+        refresh_interval_s: float,
+    ) -> None:
+        self.addresses = list(addresses)
+        self._channel_settings = (channels_per_endpoint, max_message_bytes, tracer)
+        # Channels are opened in start(): grpc.aio binds them to the running loop.
+        self.endpoints: list[Endpoint] = []
+        self.refresh_interval_s = refresh_interval_s
+        self._task: asyncio.Task[None] | None = None
+        self.on_change: Callable[[], Awaitable[None]] | None = None
+
+    async def start(self) -> None:
+        """Connect, discover once, then keep refreshing in an owned background task."""
+        self.endpoints = [open_endpoint(a, *self._channel_settings) for a in self.addresses]
+        await self.refresh()
+        self._task = asyncio.create_task(self._refresh_loop(), name="stage-discovery")
+
+    async def stop(self) -> None:
+        """Stop refreshing and close every channel."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for endpoint in self.endpoints:
+            for channel in endpoint.channels:
+                await channel.close()
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval_s)
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("stage discovery failed")
+
+    async def refresh(self) -> None:
+        """Ask every endpoint which models it has ready (RepositoryIndex)."""
+        before = {id(e): (e.ready, frozenset(e.models)) for e in self.endpoints}
+        await asyncio.gather(*(self._refresh_one(e) for e in self.endpoints))
+        after = {id(e): (e.ready, frozenset(e.models)) for e in self.endpoints}
+        if before != after and self.on_change is not None:
+            await self.on_change()
+
+    async def _refresh_one(self, endpoint: Endpoint) -> None:
+        try:
+            index = await endpoint.stub().RepositoryIndex(
+                pb.RepositoryIndexRequest(ready=True), timeout=5
+            )
+        except grpc.aio.AioRpcError as exc:
+            if endpoint.ready:
+                log.warning("%s is unreachable: %s", endpoint.describe(), exc.details())
+            endpoint.ready = False
+            return
+        if not endpoint.ready:
+            log.info("%s is ready", endpoint.describe())
+        endpoint.models = {model.name for model in index.models}
+        endpoint.ready = True
+
+    def replicas(self, model: str) -> list[Endpoint]:
+        """Every endpoint known to host ``model`` (ready or not)."""
+        return [e for e in self.endpoints if model in e.models]
+
+    def stage_names(self, model: str) -> list[str]:
+        """Names of the stages hosting ``model``."""
+        return sorted({e.address.stage for e in self.replicas(model)})
+
+    def hosts(self, model: str) -> bool:
+        """True when some ready replica serves ``model``."""
+        return any(e.ready for e in self.replicas(model))
+
+    def all_models(self) -> set[str]:
+        """Every model some endpoint has reported."""
+        return {m for e in self.endpoints for m in e.models}
+
+    def _pick(self, model: str, exclude: set[int]) -> Endpoint:
+        candidates = [e for e in self.replicas(model) if e.ready and id(e) not in exclude]
+        if not candidates:
+            known = self.replicas(model)
+            if not known:
+                raise NotFound(f"unknown model '{model}': no stage hosts it")
+            where = ", ".join(e.describe() for e in known)
+            raise Unavailable(f"model '{model}': no ready replica ({where})")
+        return min(candidates, key=lambda e: e.in_flight)
+
+    async def call(
+        self,
+        model: str,
+        method: str,
+        invoke: Callable[[pb_grpc.GRPCInferenceServiceStub], Awaitable[T]],
+        *,
+        retry: bool = True,
+    ) -> T:
+        """Run ``invoke`` on a replica of ``model``; one retry on another replica."""
+        tried: set[int] = set()
+        attempts = 2 if retry else 1
+        last: grpc.aio.AioRpcError | None = None
+        for _ in range(attempts):
+            try:
+                endpoint = self._pick(model, tried)
+            except Unavailable:
+                if last is not None:
+                    break
+                raise
+            tried.add(id(endpoint))
+            endpoint.in_flight += 1
+            try:
+                return await invoke(endpoint.stub())
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _RETRYABLE:
+                    raise
+                last = exc
+                log.warning(
+                    "%s failed %s for '%s': %s", endpoint.describe(), method, model, exc.details()
+                )
+                endpoint.ready = False
+            finally:
+                endpoint.in_flight -= 1
+        stages = ", ".join(self.stage_names(model)) or "?"
+        detail = last.details() if last is not None else "no replica"
+        raise Unavailable(f"stage '{stages}' is unavailable for model '{model}': {detail}")
+
+    async def model_config(self, model: str) -> mc.ModelConfig:
+        """A model's config, from a replica of the stage hosting it."""
+        try:
+            response = await self.call(
+                model,
+                "ModelConfig",
+                lambda stub: stub.ModelConfig(pb.ModelConfigRequest(name=model), timeout=10),
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise error_for_status(exc.code(), f"model '{model}': {exc.details()}") from exc
+        config: mc.ModelConfig = response.config
+        return config
+
+    async def broadcast(
+        self, stage: str, invoke: Callable[[pb_grpc.GRPCInferenceServiceStub], Awaitable[Any]]
+    ) -> list[Any]:
+        """Run ``invoke`` on every ready replica of ``stage`` (load/unload)."""
+        targets = [e for e in self.endpoints if e.address.stage == stage and e.ready]
+        if not targets:
+            raise Unavailable(f"stage '{stage}' has no ready replica")
+        return list(await asyncio.gather(*(invoke(e.stub()) for e in targets)))

@@ -1,0 +1,233 @@
+"""The orchestrator's v2 servicer: ensembles run here, everything else is forwarded.
+
+A call to a non-ensemble model is passed to a replica of the stage hosting it
+as is (no decoding); a call to an ensemble runs its dataflow graph, each step
+a ModelInfer on the stage hosting the step's model. The caller's deadline
+bounds every step, and a cancelled caller cancels every step in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+
+from inference import grpc_service_pb2 as pb
+from services.orchestrator.ensemble import EnsemblePlan, Step, WireTensor
+from services.orchestrator.ensembles import EnsembleRegistry, is_ensemble
+from services.orchestrator.router import StageRouter
+from shared.errors import InvalidArgument, MeshError, NotFound, error_for_status
+from shared.repository import hosting_service
+from shared.servicer import BaseServicer, stats_to_proto
+from shared.tensors import decode_inputs, encode_raw
+
+
+def _deadline(context: Any) -> float | None:
+    remaining = context.time_remaining() if context is not None else None
+    return None if remaining is None else max(0.001, remaining)
+
+
+def _as_mesh_error(exc: grpc.aio.AioRpcError, prefix: str = "") -> MeshError:
+    return error_for_status(exc.code(), f"{prefix}{exc.details()}")
+
+
+def wire_inputs(request: pb.ModelInferRequest) -> dict[str, WireTensor]:
+    """Request inputs in wire form; typed contents are re-encoded raw once."""
+    if request.raw_input_contents:
+        if len(request.raw_input_contents) != len(request.inputs):
+            raise InvalidArgument(
+                f"raw_input_contents has {len(request.raw_input_contents)} entries for "
+                f"{len(request.inputs)} inputs; send all inputs raw or none"
+            )
+        raws = list(request.raw_input_contents)
+    else:
+        arrays = decode_inputs(request)
+        raws = [encode_raw(arrays[t.name]) for t in request.inputs]
+    return {
+        t.name: WireTensor(t.datatype, tuple(t.shape), raw)
+        for t, raw in zip(request.inputs, raws, strict=True)
+    }
+
+
+class OrchestratorServicer(BaseServicer):
+    """GRPCInferenceService for every model in the mesh."""
+
+    def __init__(
+        self, router: StageRouter, ensembles: EnsembleRegistry, tracer: trace.Tracer
+    ) -> None:
+        super().__init__()
+        self.router = router
+        self.ensembles = ensembles
+        self.tracer = tracer
+
+    async def _forward(self, model: str, method: str, request: Any, context: Any) -> Any:
+        try:
+            return await self.router.call(
+                model,
+                method,
+                lambda stub: getattr(stub, method)(request, timeout=_deadline(context)),
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _as_mesh_error(exc) from exc
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> Any:
+        stages_ready = all(e.ready for e in self.router.endpoints)
+        return pb.ServerReadyResponse(ready=stages_ready and not self.ensembles.failed)
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> Any:
+        try:
+            if self.ensembles.get(request.name) is not None:
+                return pb.ModelReadyResponse(ready=True)
+            return await self._forward(request.name, "ModelReady", request, context)
+        except MeshError:
+            return pb.ModelReadyResponse(ready=False)
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> Any:
+        plan = self.ensembles.get(request.name)
+        if plan is None:
+            return await self._forward(request.name, "ModelMetadata", request, context)
+        response = pb.ModelMetadataResponse(name=plan.name, versions=["1"], platform="ensemble")
+        for target, specs in (
+            (response.inputs, plan.io.inputs),
+            (response.outputs, plan.io.outputs),
+        ):
+            for spec in specs.values():
+                target.add(name=spec.name, datatype=spec.datatype, shape=list(spec.shape))
+        return response
+
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> Any:
+        plan = self.ensembles.get(request.name)
+        if plan is None:
+            return await self._forward(request.name, "ModelConfig", request, context)
+        return pb.ModelConfigResponse(config=plan.config)
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> Any:
+        plan = self.ensembles.get(request.model_name)
+        if plan is None:
+            return await self._forward(request.model_name, "ModelInfer", request, context)
+        outputs = await self.ensembles.run(
+            plan, wire_inputs(request), self._step_call(plan, request, context), self.tracer
+        )
+        wanted = [o.name for o in request.outputs] or list(outputs)
+        unknown = [name for name in wanted if name not in outputs]
+        if unknown:
+            raise InvalidArgument(
+                f"ensemble '{plan.name}': unknown output {unknown}; expected {sorted(outputs)}"
+            )
+        response = pb.ModelInferResponse(model_name=plan.name, model_version="1", id=request.id)
+        for name in wanted:
+            tensor = outputs[name]
+            response.outputs.add(name=name, datatype=tensor.datatype, shape=list(tensor.shape))
+            response.raw_output_contents.append(tensor.raw)
+        return response
+
+    def _step_call(self, plan: EnsemblePlan, request: pb.ModelInferRequest, context: Any) -> Any:
+        async def call(
+            step: Step, inputs: dict[str, WireTensor], outputs: list[str]
+        ) -> dict[str, WireTensor]:
+            sub = pb.ModelInferRequest(
+                model_name=step.model, model_version=step.version, id=request.id
+            )
+            for key in ("priority", "timeout"):
+                if key in request.parameters:
+                    sub.parameters[key].CopyFrom(request.parameters[key])
+            for name, tensor in inputs.items():
+                sub.inputs.add(name=name, datatype=tensor.datatype, shape=list(tensor.shape))
+                sub.raw_input_contents.append(tensor.raw)
+            for name in outputs:
+                sub.outputs.add(name=name)
+            answer = await self.ModelInfer(sub, context)
+            return {
+                t.name: WireTensor(t.datatype, tuple(t.shape), raw)
+                for t, raw in zip(answer.outputs, answer.raw_output_contents, strict=True)
+            }
+
+        return call
+
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> Any:
+        if request.name:
+            if request.name in self.ensembles.stats:
+                response = pb.ModelStatisticsResponse()
+                recorder = self.ensembles.stats[request.name]
+                response.model_stats.append(stats_to_proto(request.name, 1, recorder.stats))
+                return response
+            return await self._forward(request.name, "ModelStatistics", request, context)
+        response = pb.ModelStatisticsResponse()
+        for name, recorder in self.ensembles.stats.items():
+            response.model_stats.append(stats_to_proto(name, 1, recorder.stats))
+        for endpoint in [e for e in self.router.endpoints if e.ready]:
+            try:
+                part = await endpoint.stub().ModelStatistics(request, timeout=_deadline(context))
+            except grpc.aio.AioRpcError:
+                continue
+            response.model_stats.extend(part.model_stats)
+        return response
+
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> Any:
+        response = pb.RepositoryIndexResponse()
+        seen: set[tuple[str, str]] = set()
+        for endpoint in self.router.endpoints:
+            try:
+                part = await endpoint.stub().RepositoryIndex(request, timeout=5)
+            except grpc.aio.AioRpcError:
+                continue
+            for model in part.models:
+                if (model.name, model.version) not in seen:
+                    seen.add((model.name, model.version))
+                    response.models.append(model)
+        for name in self.ensembles.names():
+            if name in self.ensembles.plans:
+                response.models.add(name=name, version="1", state="READY")
+            elif not request.ready:
+                response.models.add(
+                    name=name,
+                    version="1",
+                    state="UNAVAILABLE",
+                    reason=self.ensembles.failed.get(name, "not loaded"),
+                )
+        return response
+
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Any
+    ) -> Any:
+        name = request.model_name
+        repository = self.ensembles.repository
+        entry = repository.entry(name) if repository is not None else None
+        if entry is not None and is_ensemble(entry.config):
+            await self.ensembles.load(name)
+            return pb.RepositoryModelLoadResponse()
+        try:
+            if self.router.replicas(name):
+                await self._forward(name, "RepositoryModelLoad", request, context)
+            elif entry is not None:
+                stage = hosting_service(entry.config)
+                await self.router.broadcast(
+                    stage, lambda stub: stub.RepositoryModelLoad(request, timeout=300)
+                )
+            else:
+                raise NotFound(f"unknown model '{name}'")
+        except grpc.aio.AioRpcError as exc:
+            raise _as_mesh_error(exc) from exc
+        await self.router.refresh()
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Any
+    ) -> Any:
+        name = request.model_name
+        if name in self.ensembles.plans:
+            self.ensembles.unload(name)
+            return pb.RepositoryModelUnloadResponse()
+        replicas = [e for e in self.router.replicas(name) if e.ready]
+        if not replicas:
+            raise NotFound(f"model '{name}' is not loaded on any stage")
+        try:
+            await asyncio.gather(
+                *(e.stub().RepositoryModelUnload(request, timeout=60) for e in replicas)
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _as_mesh_error(exc) from exc
+        await self.router.refresh()
+        return pb.RepositoryModelUnloadResponse()
