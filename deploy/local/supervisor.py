@@ -1,0 +1,312 @@
+"""The local mesh supervisor: every service as its own process.
+
+    python -m deploy.local.supervisor --model-repository DIR [--config mesh.yaml]
+                                      [--ports auto] [--replicas inference=2]
+
+Stage services start first; once each has printed its ready line, the
+orchestrator starts with their addresses. A process that exits unexpectedly
+is restarted on the same ports with exponential backoff (reset once it has run
+a while). SIGTERM or Ctrl-C stops everything: the orchestrator first, so no
+new work reaches the stages, then the stages, each by its own PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+READY_MARKER = "MESHSERVE_READY"
+MESH_READY_MARKER = "MESHSERVE_MESH_READY"
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "mesh.yaml"
+HEALTHY_AFTER_S = 30.0
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One service process: what to run and where it listens."""
+
+    name: str
+    stage: str
+    module: str
+    grpc_port: int
+    metrics_port: int
+    args: tuple[str, ...] = ()
+
+    def command(self, config: Path) -> list[str]:
+        """The command line (the mesh YAML first, explicit ports after)."""
+        return [
+            sys.executable,
+            "-m",
+            self.module,
+            "--config",
+            str(config),
+            "--grpc-port",
+            str(self.grpc_port),
+            "--metrics-port",
+            str(self.metrics_port),
+            *self.args,
+        ]
+
+
+@dataclass
+class ManagedProcess:
+    """A running (and restarted) service process."""
+
+    spec: ProcessSpec
+    config: Path
+    backoff: tuple[float, float]
+    proc: asyncio.subprocess.Process | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    restarts: int = 0
+    stopping: bool = False
+    address: str = ""
+    _pumps: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def run(self) -> None:
+        """Start, and restart after unexpected exits, until stopped."""
+        delay = self.backoff[0]
+        while not self.stopping:
+            started = time.monotonic()
+            await self._start()
+            code = await self.proc.wait() if self.proc is not None else 1
+            self.ready.clear()
+            if self.stopping:
+                return
+            if time.monotonic() - started > HEALTHY_AFTER_S:
+                delay = self.backoff[0]
+            self.restarts += 1
+            log(
+                f"{self.spec.name} exited with {code}; restarting in {delay:.1f}s "
+                f"(restart {self.restarts})"
+            )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.backoff[1])
+
+    async def _start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.spec.command(self.config),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
+        self._pumps = [
+            asyncio.create_task(self._pump(self.proc.stderr, ready=False)),
+            asyncio.create_task(self._pump(self.proc.stdout, ready=True)),
+        ]
+
+    async def _pump(self, stream: asyncio.StreamReader | None, ready: bool) -> None:
+        if stream is None:
+            return
+        async for raw in stream:
+            line = raw.decode(errors="replace").rstrip()
+            if ready and line.startswith(READY_MARKER):
+                self.address = json.loads(line[len(READY_MARKER) :])["grpc"]
+                self.ready.set()
+                continue
+            print(f"[{self.spec.name}] {line}", file=sys.stderr, flush=True)
+
+    async def stop(self, grace_s: float) -> None:
+        """SIGTERM this process (by PID); SIGKILL after the grace period."""
+        self.stopping = True
+        proc = self.proc
+        if proc is not None and proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), grace_s)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        for pump in self._pumps:
+            pump.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+
+
+def log(message: str) -> None:
+    """Supervisor messages go to stderr, prefixed."""
+    print(f"[supervisor] {message}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (for --ports auto)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def plan(
+    mesh: dict[str, Any], repository: Path, auto_ports: bool, replicas: dict[str, int]
+) -> tuple[list[ProcessSpec], ProcessSpec]:
+    """The stage processes and the orchestrator process, with their ports."""
+    services = mesh.get("services") or {}
+
+    def ports(service: str, index: int) -> tuple[int, int]:
+        if auto_ports:
+            return free_port(), free_port()
+        settings = services.get(service) or {}
+        metrics = int(settings.get("metrics_port", -1))
+        return int(settings["grpc_port"]) + index, (metrics + index if metrics > 0 else metrics)
+
+    stages: list[ProcessSpec] = []
+    for stage in (mesh.get("supervisor") or {}).get("stages", []):
+        count = replicas.get(stage["name"], int(stage.get("replicas", 1)))
+        for index in range(count):
+            grpc_port, metrics_port = ports(stage["name"], index)
+            stages.append(
+                ProcessSpec(
+                    f"{stage['name']}-{index}",
+                    stage["name"],
+                    stage["module"],
+                    grpc_port,
+                    metrics_port,
+                    ("--model-repository", str(repository)),
+                )
+            )
+    grpc_port, metrics_port = ports("orchestrator", 0)
+    host = (mesh.get("defaults") or {}).get("host", "127.0.0.1")
+    stage_args = [arg for s in stages for arg in ("--stages", f"{s.stage}={host}:{s.grpc_port}")]
+    orchestrator = ProcessSpec(
+        "orchestrator",
+        "orchestrator",
+        "services.orchestrator.main",
+        grpc_port,
+        metrics_port,
+        ("--model-repository", str(repository), *stage_args),
+    )
+    return stages, orchestrator
+
+
+async def supervise(args: argparse.Namespace) -> int:
+    """Start the mesh, print where it listens, run until SIGTERM/SIGINT."""
+    mesh = yaml.safe_load(args.config.read_text()) or {}
+    settings = mesh.get("supervisor") or {}
+    backoff = tuple(settings.get("restart_backoff_s", [0.5, 10.0]))
+    replicas = dict(item.split("=", 1) for item in args.replicas)
+    stage_specs, orchestrator_spec = plan(
+        mesh,
+        args.model_repository.expanduser().resolve(),
+        args.ports == "auto",
+        {k: int(v) for k, v in replicas.items()},
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    managed = [
+        ManagedProcess(s, args.config, (float(backoff[0]), float(backoff[1]))) for s in stage_specs
+    ]
+    orchestrator = ManagedProcess(
+        orchestrator_spec, args.config, (float(backoff[0]), float(backoff[1]))
+    )
+    tasks = [asyncio.create_task(m.run()) for m in managed]
+    try:
+        if not await _wait_ready(managed, stop, args.ready_timeout_s):
+            return 1
+        tasks.append(asyncio.create_task(orchestrator.run()))
+        if not await _wait_ready([orchestrator], stop, args.ready_timeout_s):
+            return 1
+        _announce(orchestrator, managed, args.model_repository.expanduser().resolve())
+        await stop.wait()
+        log("stopping the mesh")
+        return 0
+    finally:
+        await orchestrator.stop(args.grace_s)
+        await asyncio.gather(*(m.stop(args.grace_s) for m in managed))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _wait_ready(
+    processes: Sequence[ManagedProcess], stop: asyncio.Event, timeout_s: float
+) -> bool:
+    async def all_ready() -> None:
+        await asyncio.gather(*(p.ready.wait() for p in processes))
+
+    waiting: asyncio.Task[None] = asyncio.create_task(all_ready())
+    stopped: asyncio.Task[bool] = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait(
+        {waiting, stopped}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+    )
+    stopped.cancel()
+    if waiting not in done:
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        slow = [p.spec.name for p in processes if not p.ready.is_set()]
+        if not stop.is_set():
+            log(f"not ready within {timeout_s:.0f}s: {', '.join(slow)}")
+        return False
+    return True
+
+
+def _announce(
+    orchestrator: ManagedProcess, stages: Sequence[ManagedProcess], repository: Path
+) -> None:
+    info = {
+        "repository": str(repository),
+        "orchestrator": orchestrator.address,
+        "orchestrator_metrics_port": orchestrator.spec.metrics_port,
+        "processes": {
+            p.spec.name: {
+                "grpc": p.address,
+                "pid": p.proc.pid if p.proc else None,
+                "metrics_port": p.spec.metrics_port,
+            }
+            for p in [orchestrator, *stages]
+        },
+    }
+    log(f"mesh ready: KServe v2 gRPC on {orchestrator.address}")
+    if orchestrator.spec.metrics_port > 0:
+        host = orchestrator.address.rsplit(":", 1)[0]
+        log(f"metrics on http://{host}:{orchestrator.spec.metrics_port}/metrics")
+    for process in stages:
+        log(f"  {process.spec.name:<14} {process.address}")
+    print(f"{MESH_READY_MARKER} {json.dumps(info)}", flush=True)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Command-line flags of the supervisor."""
+    parser = argparse.ArgumentParser(
+        prog="meshserve-local",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model-repository", type=Path, required=True)
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="mesh YAML")
+    parser.add_argument(
+        "--ports",
+        choices=["config", "auto"],
+        default="config",
+        help="ports from the mesh YAML, or free ports chosen at start",
+    )
+    parser.add_argument(
+        "--replicas", action="append", default=[], help="stage=count, e.g. inference=2 (repeatable)"
+    )
+    parser.add_argument("--grace-s", type=float, default=15.0)
+    parser.add_argument("--ready-timeout-s", type=float, default=300.0)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the local mesh until SIGTERM or Ctrl-C."""
+    raise SystemExit(asyncio.run(supervise(parse_args(argv))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The local supervisor: starts the mesh, restarts a crashed stage, stops everything."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from inference import grpc_service_pb2 as pb
+from inference import grpc_service_pb2_grpc as pb_grpc
+from shared.tensors import decode_outputs, encode_inputs
+from tests.conftest import build_repository
+from tests.harness import ROOT
+
+MESH = """
+defaults: { host: 127.0.0.1, grace_period_s: 3 }
+services: {}
+supervisor:
+  stages:
+    - { name: inference, module: services.inference.main, replicas: 1 }
+  restart_backoff_s: [0.2, 2.0]
+"""
+
+
+@pytest.fixture
+def mesh(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], dict]]:  # type: ignore[type-arg]
+    repo = build_repository(tmp_path / "repo", ["add_sub"], [])
+    config = tmp_path / "mesh.yaml"
+    config.write_text(MESH)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deploy.local.supervisor",
+            "--model-repository",
+            str(repo),
+            "--config",
+            str(config),
+            "--ports",
+            "auto",
+            "--grace-s",
+            "5",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stdout is not None
+    info: dict = {}  # type: ignore[type-arg]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        line = proc.stdout.readline()
+        if line.startswith("MESHSERVE_MESH_READY"):
+            info = json.loads(line.split(" ", 1)[1])
+            break
+    assert info, "the mesh never became ready"
+    yield proc, info
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def add_request() -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="add_sub")
+    encode_inputs(
+        request, {"INPUT0": np.ones((1, 4), np.float32), "INPUT1": np.ones((1, 4), np.float32)}
+    )
+    return request
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs whose command line contains ``text`` (the test's own repository path)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_crashed_stage_is_restarted_and_sigterm_stops_everything(mesh) -> None:  # type: ignore[no-untyped-def]
+    proc, info = mesh
+    stage_pid = info["processes"]["inference-0"]["pid"]
+    orchestrator_pid = info["processes"]["orchestrator"]["pid"]
+    with grpc.insecure_channel(info["orchestrator"]) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        assert decode_outputs(stub.ModelInfer(add_request()))["OUTPUT0"].tolist() == [[2.0] * 4]
+
+        os.kill(stage_pid, signal.SIGKILL)
+        time.sleep(0.3)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.ModelInfer(add_request(), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "stage 'inference'" in caught.value.details()
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                stub.ModelInfer(add_request(), timeout=10)
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, "the stage was not brought back"
+                time.sleep(0.5)
+
+    repo = str(info["repository"])
+    assert len(processes_mentioning(repo)) == 3  # supervisor, orchestrator, restarted stage
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert not alive(orchestrator_pid)
+    assert not alive(stage_pid)
+    assert processes_mentioning(repo) == []
