@@ -1,0 +1,104 @@
+"""One request, one trace: the orchestrator's span, a span per ensemble step, and
+each stage's server span (with queue and compute time), correctly parented."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+
+from inference import grpc_service_pb2 as pb
+from inference import grpc_service_pb2_grpc as pb_grpc
+from shared.tensors import encode_inputs
+from tests.conftest import DATA
+from tests.harness import ServiceProcess
+from tests.integration.test_orchestrator import DIAMOND, ensemble, scale_model
+from tests.otlp import OtlpReceiver, Span
+
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+CLIENT_SPAN = "b7ad6b7169203331"
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[OtlpReceiver]:
+    otlp = OtlpReceiver()
+    yield otlp
+    otlp.stop()
+
+
+@pytest.fixture(scope="module")
+def mesh(
+    tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver
+) -> Iterator[ServiceProcess]:
+    repo = tmp_path_factory.mktemp("trace-repo")
+    shutil.copytree(DATA / "models" / "add_sub", repo / "add_sub")
+    scale_model(repo, "double_slow", 2, sleep_ms=20)
+    scale_model(repo, "triple_slow", 3, sleep_ms=20)
+    ensemble(repo, "diamond", DIAMOND)
+    otlp = ["--otlp-endpoint", receiver.endpoint]
+    stage = ServiceProcess("services.inference.main", ["--model-repository", str(repo), *otlp])
+    orchestrator = ServiceProcess(
+        "services.orchestrator.main",
+        [
+            "--model-repository",
+            str(repo),
+            "--stages",
+            f"inference={stage.address}",
+            "--metrics-port",
+            "-1",
+            *otlp,
+        ],
+    )
+    yield orchestrator
+    orchestrator.stop()
+    stage.stop()
+
+
+def by_id(spans: list[Span]) -> dict[str, Span]:
+    return {span.span_id: span for span in spans}
+
+
+def test_one_trace_spans_every_hop(mesh: ServiceProcess, receiver: OtlpReceiver) -> None:
+    request = pb.ModelInferRequest(model_name="diamond")
+    encode_inputs(request, {"A": np.ones((1, 4), np.float32), "B": np.ones((1, 4), np.float32)})
+    with grpc.insecure_channel(mesh.address) as channel:
+        pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
+            request, timeout=30, metadata=[("traceparent", f"00-{TRACE_ID}-{CLIENT_SPAN}-01")]
+        )
+
+    def complete(spans: list[Span]) -> bool:
+        mine = [s for s in spans if s.trace_id == TRACE_ID]
+        return sum(1 for s in mine if s.service == "inference") >= 3
+
+    spans = [s for s in receiver.wait_for(complete) if s.trace_id == TRACE_ID]
+    index = by_id(spans)
+
+    (root,) = [s for s in spans if s.service == "orchestrator" and s.kind == 2]  # SERVER
+    assert root.parent_id == CLIENT_SPAN
+    assert root.name == "inference.GRPCInferenceService/ModelInfer"
+
+    steps = [s for s in spans if s.name.startswith("ensemble step")]
+    assert sorted(s.attributes["meshserve.model"] for s in steps) == [
+        "add_sub",
+        "double_slow",
+        "triple_slow",
+    ]
+    assert all(s.parent_id == root.span_id for s in steps)
+
+    stage_spans = [s for s in spans if s.service == "inference" and s.kind == 2]
+    assert sorted(s.attributes["meshserve.model"] for s in stage_spans) == [
+        "add_sub",
+        "double_slow",
+        "triple_slow",
+    ]
+    for span in stage_spans:
+        # stage server span <- orchestrator client span <- the step's span
+        client = index[span.parent_id]
+        assert client.service == "orchestrator" and client.kind == 3  # CLIENT
+        step = index[client.parent_id]
+        assert step.attributes["meshserve.model"] == span.attributes["meshserve.model"]
+        assert span.attributes["meshserve.queue_us"] >= 0
+        assert span.attributes["meshserve.compute_us"] > 0
