@@ -14,6 +14,7 @@ from pathlib import Path
 from pydantic import Field
 
 from services.orchestrator.ensembles import EnsembleRegistry
+from services.orchestrator.mesh_api import MESH_SERVICE_NAME, MeshApiServicer, add_mesh_api
 from services.orchestrator.router import StageAddress, StageRouter
 from services.orchestrator.servicer import OrchestratorServicer
 from shared.config import ServiceConfig, load_config
@@ -46,7 +47,9 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
     """Router, ensemble registry, servicer and their start/stop hooks."""
     provider = make_tracer_provider(config.service_name, config.otlp_endpoint)
     tracer = tracer_for(provider, "meshserve.orchestrator")
-    parts = ServiceParts(servicers=[], service_names=[SERVICE_NAME], tracer_provider=provider)
+    parts = ServiceParts(
+        servicers=[], service_names=[SERVICE_NAME, MESH_SERVICE_NAME], tracer_provider=provider
+    )
     router = StageRouter(
         [StageAddress.parse(text) for text in config.stages],
         channels_per_endpoint=config.channels_per_stage,
@@ -57,7 +60,7 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
     repository = ModelRepository(config.model_repository) if config.model_repository else None
     ensembles = EnsembleRegistry(repository, router.model_config, Metrics(parts.registry))
     servicer = OrchestratorServicer(router, ensembles, tracer)
-    parts.servicers = [(add_to_server, servicer)]
+    parts.servicers = [(add_to_server, servicer), (add_mesh_api, MeshApiServicer(servicer))]
 
     async def start() -> None:
         await router.start()

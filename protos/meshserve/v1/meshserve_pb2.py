@@ -23,9 +23,10 @@ _sym_db = _symbol_database.Default()
 
 
 from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmeshserve/v1/meshserve.proto\x12\x0cmeshserve.v1\x1a\x1cgoogle/api/annotations.proto\"\x88\x01\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08versions\x18\x02 \x03(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\'\n\x05state\x18\x04 \x01(\x0e\x32\x18.meshserve.v1.ModelState\x12\r\n\x05stage\x18\x05 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\x05\"\'\n\x11ListModelsRequest\x12\x12\n\nready_only\x18\x01 \x01(\x08\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.meshserve.v1.Model\"\x1f\n\x0fGetModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"6\n\x10GetModelResponse\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.meshserve.v1.Model\"\x0f\n\rHealthRequest\"y\n\x0bStageHealth\x12\r\n\x05stage\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.meshserve.v1.ServingStatus\x12\x16\n\x0eready_replicas\x18\x03 \x01(\x05\x12\x16\n\x0etotal_replicas\x18\x04 \x01(\x05\"h\n\x0eHealthResponse\x12+\n\x06status\x18\x01 \x01(\x0e\x32\x1b.meshserve.v1.ServingStatus\x12)\n\x06stages\x18\x02 \x03(\x0b\x32\x19.meshserve.v1.StageHealth*\x91\x01\n\nModelState\x12\x1b\n\x17MODEL_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13MODEL_STATE_LOADING\x10\x01\x12\x15\n\x11MODEL_STATE_READY\x10\x02\x12\x19\n\x15MODEL_STATE_UNLOADING\x10\x03\x12\x1b\n\x17MODEL_STATE_UNAVAILABLE\x10\x04*\x88\x01\n\rServingStatus\x12\x1e\n\x1aSERVING_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n\x16SERVING_STATUS_SERVING\x10\x01\x12\x1e\n\x1aSERVING_STATUS_NOT_SERVING\x10\x02\x12\x1b\n\x17SERVING_STATUS_DRAINING\x10\x03\x32\xb1\x02\n\x0bMeshService\x12\x63\n\nListModels\x12\x1f.meshserve.v1.ListModelsRequest\x1a .meshserve.v1.ListModelsResponse\"\x12\x82\xd3\xe4\x93\x02\x0c\x12\n/v1/models\x12\x64\n\x08GetModel\x12\x1d.meshserve.v1.GetModelRequest\x1a\x1e.meshserve.v1.GetModelResponse\"\x19\x82\xd3\xe4\x93\x02\x13\x12\x11/v1/models/{name}\x12W\n\x06Health\x12\x1b.meshserve.v1.HealthRequest\x1a\x1c.meshserve.v1.HealthResponse\"\x12\x82\xd3\xe4\x93\x02\x0c\x12\n/v1/healthb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmeshserve/v1/meshserve.proto\x12\x0cmeshserve.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x1cgoogle/protobuf/struct.proto\"\x88\x01\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08versions\x18\x02 \x03(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\'\n\x05state\x18\x04 \x01(\x0e\x32\x18.meshserve.v1.ModelState\x12\r\n\x05stage\x18\x05 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\x05\"\'\n\x11ListModelsRequest\x12\x12\n\nready_only\x18\x01 \x01(\x08\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.meshserve.v1.Model\"\x1f\n\x0fGetModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x8b\x01\n\x10GetModelResponse\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.meshserve.v1.Model\x12(\n\x06inputs\x18\x02 \x03(\x0b\x32\x18.meshserve.v1.TensorInfo\x12)\n\x07outputs\x18\x03 \x03(\x0b\x32\x18.meshserve.v1.TensorInfo\";\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x05\"a\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x05\x12(\n\x04\x64\x61ta\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.ListValue\"e\n\x0cInferRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12$\n\x06inputs\x18\x03 \x03(\x0b\x32\x14.meshserve.v1.Tensor\x12\x0f\n\x07outputs\x18\x04 \x03(\t\"V\n\rInferResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12%\n\x07outputs\x18\x03 \x03(\x0b\x32\x14.meshserve.v1.Tensor\"/\n\x0f\x43lassifyRequest\x12\r\n\x05image\x18\x01 \x01(\x0c\x12\r\n\x05model\x18\x02 \x01(\t\"4\n\x0e\x43lassification\x12\r\n\x05label\x18\x01 \x01(\t\x12\x13\n\x0bprobability\x18\x02 \x01(\x02\"P\n\x10\x43lassifyResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12-\n\x07\x63lasses\x18\x02 \x03(\x0b\x32\x1c.meshserve.v1.Classification\",\n\x0c\x45mbedRequest\x12\r\n\x05texts\x18\x01 \x03(\t\x12\r\n\x05model\x18\x02 \x01(\t\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"_\n\rEmbedResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\ndimensions\x18\x02 \x01(\x05\x12+\n\nembeddings\x18\x03 \x03(\x0b\x32\x17.meshserve.v1.Embedding\"\x0f\n\rHealthRequest\"y\n\x0bStageHealth\x12\r\n\x05stage\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.meshserve.v1.ServingStatus\x12\x16\n\x0eready_replicas\x18\x03 \x01(\x05\x12\x16\n\x0etotal_replicas\x18\x04 \x01(\x05\"h\n\x0eHealthResponse\x12+\n\x06status\x18\x01 \x01(\x0e\x32\x1b.meshserve.v1.ServingStatus\x12)\n\x06stages\x18\x02 \x03(\x0b\x32\x19.meshserve.v1.StageHealth*\x91\x01\n\nModelState\x12\x1b\n\x17MODEL_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13MODEL_STATE_LOADING\x10\x01\x12\x15\n\x11MODEL_STATE_READY\x10\x02\x12\x19\n\x15MODEL_STATE_UNLOADING\x10\x03\x12\x1b\n\x17MODEL_STATE_UNAVAILABLE\x10\x04*\x88\x01\n\rServingStatus\x12\x1e\n\x1aSERVING_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n\x16SERVING_STATUS_SERVING\x10\x01\x12\x1e\n\x1aSERVING_STATUS_NOT_SERVING\x10\x02\x12\x1b\n\x17SERVING_STATUS_DRAINING\x10\x03\x32\xec\x04\n\x0bMeshService\x12g\n\nListModels\x12\x1f.meshserve.v1.ListModelsRequest\x1a .meshserve.v1.ListModelsResponse\"\x16\x82\xd3\xe4\x93\x02\x10\x12\x0e/api/v1/models\x12h\n\x08GetModel\x12\x1d.meshserve.v1.GetModelRequest\x1a\x1e.meshserve.v1.GetModelResponse\"\x1d\x82\xd3\xe4\x93\x02\x17\x12\x15/api/v1/models/{name}\x12i\n\x05Infer\x12\x1a.meshserve.v1.InferRequest\x1a\x1b.meshserve.v1.InferResponse\"\'\x82\xd3\xe4\x93\x02!\"\x1c/api/v1/models/{model}/infer:\x01*\x12\x66\n\x08\x43lassify\x12\x1d.meshserve.v1.ClassifyRequest\x1a\x1e.meshserve.v1.ClassifyResponse\"\x1b\x82\xd3\xe4\x93\x02\x15\"\x10/api/v1/classify:\x01*\x12Z\n\x05\x45mbed\x12\x1a.meshserve.v1.EmbedRequest\x1a\x1b.meshserve.v1.EmbedResponse\"\x18\x82\xd3\xe4\x93\x02\x12\"\r/api/v1/embed:\x01*\x12[\n\x06Health\x12\x1b.meshserve.v1.HealthRequest\x1a\x1c.meshserve.v1.HealthResponse\"\x16\x82\xd3\xe4\x93\x02\x10\x12\x0e/api/v1/healthb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,31 +34,57 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshserve.v1.meshserve_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MESHSERVICE'].methods_by_name['ListModels']._loaded_options = None
-  _globals['_MESHSERVICE'].methods_by_name['ListModels']._serialized_options = b'\202\323\344\223\002\014\022\n/v1/models'
+  _globals['_MESHSERVICE'].methods_by_name['ListModels']._serialized_options = b'\202\323\344\223\002\020\022\016/api/v1/models'
   _globals['_MESHSERVICE'].methods_by_name['GetModel']._loaded_options = None
-  _globals['_MESHSERVICE'].methods_by_name['GetModel']._serialized_options = b'\202\323\344\223\002\023\022\021/v1/models/{name}'
+  _globals['_MESHSERVICE'].methods_by_name['GetModel']._serialized_options = b'\202\323\344\223\002\027\022\025/api/v1/models/{name}'
+  _globals['_MESHSERVICE'].methods_by_name['Infer']._loaded_options = None
+  _globals['_MESHSERVICE'].methods_by_name['Infer']._serialized_options = b'\202\323\344\223\002!\"\034/api/v1/models/{model}/infer:\001*'
+  _globals['_MESHSERVICE'].methods_by_name['Classify']._loaded_options = None
+  _globals['_MESHSERVICE'].methods_by_name['Classify']._serialized_options = b'\202\323\344\223\002\025\"\020/api/v1/classify:\001*'
+  _globals['_MESHSERVICE'].methods_by_name['Embed']._loaded_options = None
+  _globals['_MESHSERVICE'].methods_by_name['Embed']._serialized_options = b'\202\323\344\223\002\022\"\r/api/v1/embed:\001*'
   _globals['_MESHSERVICE'].methods_by_name['Health']._loaded_options = None
-  _globals['_MESHSERVICE'].methods_by_name['Health']._serialized_options = b'\202\323\344\223\002\014\022\n/v1/health'
-  _globals['_MODELSTATE']._serialized_start=651
-  _globals['_MODELSTATE']._serialized_end=796
-  _globals['_SERVINGSTATUS']._serialized_start=799
-  _globals['_SERVINGSTATUS']._serialized_end=935
-  _globals['_MODEL']._serialized_start=77
-  _globals['_MODEL']._serialized_end=213
-  _globals['_LISTMODELSREQUEST']._serialized_start=215
-  _globals['_LISTMODELSREQUEST']._serialized_end=254
-  _globals['_LISTMODELSRESPONSE']._serialized_start=256
-  _globals['_LISTMODELSRESPONSE']._serialized_end=313
-  _globals['_GETMODELREQUEST']._serialized_start=315
-  _globals['_GETMODELREQUEST']._serialized_end=346
-  _globals['_GETMODELRESPONSE']._serialized_start=348
-  _globals['_GETMODELRESPONSE']._serialized_end=402
-  _globals['_HEALTHREQUEST']._serialized_start=404
-  _globals['_HEALTHREQUEST']._serialized_end=419
-  _globals['_STAGEHEALTH']._serialized_start=421
-  _globals['_STAGEHEALTH']._serialized_end=542
-  _globals['_HEALTHRESPONSE']._serialized_start=544
-  _globals['_HEALTHRESPONSE']._serialized_end=648
-  _globals['_MESHSERVICE']._serialized_start=938
-  _globals['_MESHSERVICE']._serialized_end=1243
+  _globals['_MESHSERVICE'].methods_by_name['Health']._serialized_options = b'\202\323\344\223\002\020\022\016/api/v1/health'
+  _globals['_MODELSTATE']._serialized_start=1475
+  _globals['_MODELSTATE']._serialized_end=1620
+  _globals['_SERVINGSTATUS']._serialized_start=1623
+  _globals['_SERVINGSTATUS']._serialized_end=1759
+  _globals['_MODEL']._serialized_start=107
+  _globals['_MODEL']._serialized_end=243
+  _globals['_LISTMODELSREQUEST']._serialized_start=245
+  _globals['_LISTMODELSREQUEST']._serialized_end=284
+  _globals['_LISTMODELSRESPONSE']._serialized_start=286
+  _globals['_LISTMODELSRESPONSE']._serialized_end=343
+  _globals['_GETMODELREQUEST']._serialized_start=345
+  _globals['_GETMODELREQUEST']._serialized_end=376
+  _globals['_GETMODELRESPONSE']._serialized_start=379
+  _globals['_GETMODELRESPONSE']._serialized_end=518
+  _globals['_TENSORINFO']._serialized_start=520
+  _globals['_TENSORINFO']._serialized_end=579
+  _globals['_TENSOR']._serialized_start=581
+  _globals['_TENSOR']._serialized_end=678
+  _globals['_INFERREQUEST']._serialized_start=680
+  _globals['_INFERREQUEST']._serialized_end=781
+  _globals['_INFERRESPONSE']._serialized_start=783
+  _globals['_INFERRESPONSE']._serialized_end=869
+  _globals['_CLASSIFYREQUEST']._serialized_start=871
+  _globals['_CLASSIFYREQUEST']._serialized_end=918
+  _globals['_CLASSIFICATION']._serialized_start=920
+  _globals['_CLASSIFICATION']._serialized_end=972
+  _globals['_CLASSIFYRESPONSE']._serialized_start=974
+  _globals['_CLASSIFYRESPONSE']._serialized_end=1054
+  _globals['_EMBEDREQUEST']._serialized_start=1056
+  _globals['_EMBEDREQUEST']._serialized_end=1100
+  _globals['_EMBEDDING']._serialized_start=1102
+  _globals['_EMBEDDING']._serialized_end=1129
+  _globals['_EMBEDRESPONSE']._serialized_start=1131
+  _globals['_EMBEDRESPONSE']._serialized_end=1226
+  _globals['_HEALTHREQUEST']._serialized_start=1228
+  _globals['_HEALTHREQUEST']._serialized_end=1243
+  _globals['_STAGEHEALTH']._serialized_start=1245
+  _globals['_STAGEHEALTH']._serialized_end=1366
+  _globals['_HEALTHRESPONSE']._serialized_start=1368
+  _globals['_HEALTHRESPONSE']._serialized_end=1472
+  _globals['_MESHSERVICE']._serialized_start=1762
+  _globals['_MESHSERVICE']._serialized_end=2382
 # @@protoc_insertion_point(module_scope)

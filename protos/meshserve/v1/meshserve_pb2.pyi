@@ -1,4 +1,5 @@
 from google.api import annotations_pb2 as _annotations_pb2
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -67,10 +68,106 @@ class GetModelRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class GetModelResponse(_message.Message):
-    __slots__ = ("model",)
+    __slots__ = ("model", "inputs", "outputs")
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     model: Model
-    def __init__(self, model: _Optional[_Union[Model, _Mapping]] = ...) -> None: ...
+    inputs: _containers.RepeatedCompositeFieldContainer[TensorInfo]
+    outputs: _containers.RepeatedCompositeFieldContainer[TensorInfo]
+    def __init__(self, model: _Optional[_Union[Model, _Mapping]] = ..., inputs: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...
+
+class TensorInfo(_message.Message):
+    __slots__ = ("name", "datatype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATATYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    datatype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("name", "datatype", "shape", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATATYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    datatype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: _struct_pb2.ListValue
+    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[_Union[_struct_pb2.ListValue, _Mapping]] = ...) -> None: ...
+
+class InferRequest(_message.Message):
+    __slots__ = ("model", "version", "inputs", "outputs")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: str
+    inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
+    outputs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., outputs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class InferResponse(_message.Message):
+    __slots__ = ("model", "version", "outputs")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: str
+    outputs: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+
+class ClassifyRequest(_message.Message):
+    __slots__ = ("image", "model")
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    image: bytes
+    model: str
+    def __init__(self, image: _Optional[bytes] = ..., model: _Optional[str] = ...) -> None: ...
+
+class Classification(_message.Message):
+    __slots__ = ("label", "probability")
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    label: str
+    probability: float
+    def __init__(self, label: _Optional[str] = ..., probability: _Optional[float] = ...) -> None: ...
+
+class ClassifyResponse(_message.Message):
+    __slots__ = ("model", "classes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    classes: _containers.RepeatedCompositeFieldContainer[Classification]
+    def __init__(self, model: _Optional[str] = ..., classes: _Optional[_Iterable[_Union[Classification, _Mapping]]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("texts", "model")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    model: str
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("model", "dimensions", "embeddings")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    dimensions: int
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    def __init__(self, model: _Optional[str] = ..., dimensions: _Optional[int] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

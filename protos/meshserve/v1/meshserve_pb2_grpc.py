@@ -44,6 +44,21 @@ class MeshServiceStub:
                 request_serializer=meshserve_dot_v1_dot_meshserve__pb2.GetModelRequest.SerializeToString,
                 response_deserializer=meshserve_dot_v1_dot_meshserve__pb2.GetModelResponse.FromString,
                 _registered_method=True)
+        self.Infer = channel.unary_unary(
+                '/meshserve.v1.MeshService/Infer',
+                request_serializer=meshserve_dot_v1_dot_meshserve__pb2.InferRequest.SerializeToString,
+                response_deserializer=meshserve_dot_v1_dot_meshserve__pb2.InferResponse.FromString,
+                _registered_method=True)
+        self.Classify = channel.unary_unary(
+                '/meshserve.v1.MeshService/Classify',
+                request_serializer=meshserve_dot_v1_dot_meshserve__pb2.ClassifyRequest.SerializeToString,
+                response_deserializer=meshserve_dot_v1_dot_meshserve__pb2.ClassifyResponse.FromString,
+                _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/meshserve.v1.MeshService/Embed',
+                request_serializer=meshserve_dot_v1_dot_meshserve__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=meshserve_dot_v1_dot_meshserve__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/meshserve.v1.MeshService/Health',
                 request_serializer=meshserve_dot_v1_dot_meshserve__pb2.HealthRequest.SerializeToString,
@@ -62,7 +77,28 @@ class MeshServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModel(self, request, context):
-        """One model, by name.
+        """One model, by name, with its input and output tensors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Infer(self, request, context):
+        """Run any model or ensemble with JSON tensors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Classify(self, request, context):
+        """Classify one image (bytes; base64 in JSON) into labels with probabilities.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
+        """Embed texts into unit-length vectors.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -88,6 +124,21 @@ def add_MeshServiceServicer_to_server(servicer, server):
                     servicer.GetModel,
                     request_deserializer=meshserve_dot_v1_dot_meshserve__pb2.GetModelRequest.FromString,
                     response_serializer=meshserve_dot_v1_dot_meshserve__pb2.GetModelResponse.SerializeToString,
+            ),
+            'Infer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Infer,
+                    request_deserializer=meshserve_dot_v1_dot_meshserve__pb2.InferRequest.FromString,
+                    response_serializer=meshserve_dot_v1_dot_meshserve__pb2.InferResponse.SerializeToString,
+            ),
+            'Classify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Classify,
+                    request_deserializer=meshserve_dot_v1_dot_meshserve__pb2.ClassifyRequest.FromString,
+                    response_serializer=meshserve_dot_v1_dot_meshserve__pb2.ClassifyResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=meshserve_dot_v1_dot_meshserve__pb2.EmbedRequest.FromString,
+                    response_serializer=meshserve_dot_v1_dot_meshserve__pb2.EmbedResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -149,6 +200,87 @@ class MeshService:
             '/meshserve.v1.MeshService/GetModel',
             meshserve_dot_v1_dot_meshserve__pb2.GetModelRequest.SerializeToString,
             meshserve_dot_v1_dot_meshserve__pb2.GetModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Infer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.MeshService/Infer',
+            meshserve_dot_v1_dot_meshserve__pb2.InferRequest.SerializeToString,
+            meshserve_dot_v1_dot_meshserve__pb2.InferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Classify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.MeshService/Classify',
+            meshserve_dot_v1_dot_meshserve__pb2.ClassifyRequest.SerializeToString,
+            meshserve_dot_v1_dot_meshserve__pb2.ClassifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.MeshService/Embed',
+            meshserve_dot_v1_dot_meshserve__pb2.EmbedRequest.SerializeToString,
+            meshserve_dot_v1_dot_meshserve__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,7 +15,12 @@ class TritonPythonModel:
     def execute(self, requests):
         time.sleep(self.sleep_s)
         return [
-            pb_utils.InferenceResponse([pb_utils.Tensor(
-                "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * self.factor)])
+            pb_utils.InferenceResponse(
+                [
+                    pb_utils.Tensor(
+                        "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * self.factor
+                    )
+                ]
+            )
             for r in requests
         ]

@@ -1,0 +1,1 @@
+"""The mesh's front door: Envoy configuration and the HTTP adapters behind it."""

@@ -1,0 +1,232 @@
+"""meshserve.v1.MeshService: the JSON-friendly API, translated to KServe v2 calls.
+
+Envoy transcodes these RPCs to HTTP/JSON (``/api/v1/...``). Each RPC turns
+its message into v2 requests on the orchestrator's own servicer, in process,
+so ensembles, routing and errors behave exactly as for a v2 client.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+from google.protobuf import struct_pb2
+
+from inference import grpc_service_pb2 as pb
+from meshserve.v1 import meshserve_pb2 as api
+from meshserve.v1 import meshserve_pb2_grpc as api_grpc
+from services.orchestrator.servicer import OrchestratorServicer
+from shared.errors import InvalidArgument, MeshError
+from shared.tensors import DATATYPES, decode_outputs, encode_inputs
+
+DEFAULT_CLASSIFIER = "image_classifier"
+DEFAULT_EMBEDDER = "text_embedding"
+_STATES = {
+    "READY": api.MODEL_STATE_READY,
+    "LOADING": api.MODEL_STATE_LOADING,
+    "UNLOADING": api.MODEL_STATE_UNLOADING,
+    "UNAVAILABLE": api.MODEL_STATE_UNAVAILABLE,
+}
+
+
+def _flatten(values: struct_pb2.ListValue) -> list[Any]:
+    flat: list[Any] = []
+    for value in values.values:
+        kind = value.WhichOneof("kind")
+        if kind == "list_value":
+            flat.extend(_flatten(value.list_value))
+        elif kind == "number_value":
+            flat.append(value.number_value)
+        elif kind == "string_value":
+            flat.append(value.string_value)
+        elif kind == "bool_value":
+            flat.append(value.bool_value)
+        else:
+            raise InvalidArgument(
+                f"tensor data holds a {kind}; expected numbers, booleans or strings"
+            )
+    return flat
+
+
+def tensor_to_array(tensor: api.Tensor) -> np.ndarray:
+    """A JSON tensor as a numpy array of its declared datatype and shape."""
+    dtype = DATATYPES.get(tensor.datatype)
+    if dtype is None:
+        raise InvalidArgument(f"tensor '{tensor.name}': unknown datatype '{tensor.datatype}'")
+    flat = _flatten(tensor.data)
+    count = int(np.prod(tensor.shape)) if tensor.shape else 1
+    if len(flat) != count:
+        raise InvalidArgument(
+            f"tensor '{tensor.name}': shape {list(tensor.shape)} needs "
+            f"{count} elements, data has {len(flat)}"
+        )
+    try:
+        if tensor.datatype == "BYTES":
+            array = np.empty(count, dtype=object)
+            array[:] = [str(v).encode() for v in flat]
+        else:
+            array = np.asarray(flat, dtype=np.float64).astype(dtype)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(
+            f"tensor '{tensor.name}': data does not fit {tensor.datatype}: {exc}"
+        ) from exc
+    return array.reshape(list(tensor.shape))
+
+
+def array_to_tensor(name: str, datatype: str, array: np.ndarray) -> api.Tensor:
+    """A numpy array as a JSON tensor (BYTES as UTF-8 text)."""
+    tensor = api.Tensor(name=name, datatype=datatype, shape=[int(d) for d in array.shape])
+    flat = array.reshape(-1)
+    if datatype == "BYTES":
+        tensor.data.extend([bytes(v).decode(errors="replace") for v in flat])
+    elif datatype == "BOOL":
+        tensor.data.extend([bool(v) for v in flat])
+    else:
+        tensor.data.extend([float(v) for v in flat.astype(np.float64)])
+    return tensor
+
+
+class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
+    """MeshService over the orchestrator's v2 servicer."""
+
+    def __init__(self, v2: OrchestratorServicer) -> None:
+        self.v2 = v2
+
+    async def _infer(
+        self,
+        model: str,
+        inputs: dict[str, np.ndarray],
+        version: str = "",
+        outputs: list[str] | None = None,
+        context: Any = None,
+    ) -> tuple[pb.ModelInferResponse, dict[str, np.ndarray]]:
+        request = pb.ModelInferRequest(model_name=model, model_version=version)
+        encode_inputs(request, inputs)
+        for name in outputs or []:
+            request.outputs.add(name=name)
+        response = await self.v2.ModelInfer(request, context)
+        return response, decode_outputs(response)
+
+    async def ListModels(self, request: api.ListModelsRequest, context: Any) -> Any:
+        index = await self.v2.RepositoryIndex(
+            pb.RepositoryIndexRequest(ready=request.ready_only), context
+        )
+        versions: dict[str, list[str]] = defaultdict(list)
+        states: dict[str, str] = {}
+        for row in index.models:
+            if row.version:
+                versions[row.name].append(row.version)
+            if states.get(row.name) != "READY":
+                states[row.name] = row.state
+        response = api.ListModelsResponse()
+        for name in sorted(states):
+            model = response.models.add(
+                name=name,
+                versions=versions[name],
+                state=_STATES.get(states[name], api.MODEL_STATE_UNSPECIFIED),
+            )
+            if states[name] == "READY":
+                await self._describe(model, context)
+        return response
+
+    async def _describe(self, model: api.Model, context: Any) -> None:
+        try:
+            config = (
+                await self.v2.ModelConfig(pb.ModelConfigRequest(name=model.name), context)
+            ).config
+        except MeshError:
+            return
+        model.backend = config.platform or config.backend
+        model.max_batch_size = config.max_batch_size
+        stages = self.v2.router.stage_names(model.name)
+        model.stage = "orchestrator" if model.backend == "ensemble" else ",".join(stages)
+
+    async def GetModel(self, request: api.GetModelRequest, context: Any) -> Any:
+        metadata = await self.v2.ModelMetadata(pb.ModelMetadataRequest(name=request.name), context)
+        response = api.GetModelResponse(
+            model=api.Model(
+                name=metadata.name, versions=list(metadata.versions), state=api.MODEL_STATE_READY
+            )
+        )
+        await self._describe(response.model, context)
+        for target, tensors in (
+            (response.inputs, metadata.inputs),
+            (response.outputs, metadata.outputs),
+        ):
+            for tensor in tensors:
+                target.add(
+                    name=tensor.name, datatype=tensor.datatype, shape=[int(d) for d in tensor.shape]
+                )
+        return response
+
+    async def Infer(self, request: api.InferRequest, context: Any) -> Any:
+        if not request.inputs:
+            raise InvalidArgument("inputs: at least one tensor is required")
+        arrays = {tensor.name: tensor_to_array(tensor) for tensor in request.inputs}
+        raw, outputs = await self._infer(
+            request.model, arrays, request.version, list(request.outputs), context
+        )
+        response = api.InferResponse(model=raw.model_name, version=raw.model_version)
+        for tensor in raw.outputs:
+            response.outputs.append(
+                array_to_tensor(tensor.name, tensor.datatype, outputs[tensor.name])
+            )
+        return response
+
+    async def Classify(self, request: api.ClassifyRequest, context: Any) -> Any:
+        if not request.image:
+            raise InvalidArgument("image: the encoded image is required (base64 in JSON)")
+        model = request.model or DEFAULT_CLASSIFIER
+        image = np.array([[request.image]], dtype=object)
+        _, outputs = await self._infer(
+            model, {"IMAGE": image}, outputs=["LABELS", "PROBABILITIES"], context=context
+        )
+        labels, probabilities = outputs["LABELS"][0], outputs["PROBABILITIES"][0]
+        response = api.ClassifyResponse(model=model)
+        for label, probability in zip(labels, probabilities, strict=True):
+            response.classes.add(
+                label=bytes(label).decode(errors="replace"), probability=float(probability)
+            )
+        return response
+
+    async def Embed(self, request: api.EmbedRequest, context: Any) -> Any:
+        if not request.texts:
+            raise InvalidArgument("texts: at least one text is required")
+        model = request.model or DEFAULT_EMBEDDER
+        response = api.EmbedResponse(model=model)
+        # One request per 64 texts: the largest batch the default pipeline takes.
+        for start in range(0, len(request.texts), 64):
+            chunk = request.texts[start : start + 64]
+            texts = np.array([[text.encode()] for text in chunk], dtype=object)
+            _, outputs = await self._infer(
+                model, {"TEXT": texts}, outputs=["EMBEDDING"], context=context
+            )
+            for vector in outputs["EMBEDDING"]:
+                response.embeddings.add(values=[float(v) for v in vector])
+        response.dimensions = len(response.embeddings[0].values)
+        return response
+
+    async def Health(self, request: api.HealthRequest, context: Any) -> Any:
+        stages: dict[str, list[bool]] = defaultdict(list)
+        for endpoint in self.v2.router.endpoints:
+            stages[endpoint.address.stage].append(endpoint.ready)
+        response = api.HealthResponse()
+        for stage, ready in sorted(stages.items()):
+            response.stages.add(
+                stage=stage,
+                ready_replicas=sum(ready),
+                total_replicas=len(ready),
+                status=api.SERVING_STATUS_SERVING if any(ready) else api.SERVING_STATUS_NOT_SERVING,
+            )
+        serving = all(s.status == api.SERVING_STATUS_SERVING for s in response.stages)
+        response.status = api.SERVING_STATUS_SERVING if serving else api.SERVING_STATUS_NOT_SERVING
+        return response
+
+
+def add_mesh_api(servicer: MeshApiServicer, server: Any) -> None:
+    """Register MeshService on a server."""
+    api_grpc.add_MeshServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+
+
+MESH_SERVICE_NAME = api.DESCRIPTOR.services_by_name["MeshService"].full_name
