@@ -1,0 +1,1 @@
+"""The tokenizer stage: text or chat messages -> token ids (a HF fast tokenizer)."""
