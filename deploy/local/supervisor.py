@@ -44,6 +44,8 @@ class ProcessSpec:
     grpc_port: int
     metrics_port: int
     args: tuple[str, ...] = ()
+    port_flag: str = "--grpc-port"
+    """The flag that sets the process's listening port."""
 
     def command(self, config: Path) -> list[str]:
         """The command line (the mesh YAML first, explicit ports after)."""
@@ -53,7 +55,7 @@ class ProcessSpec:
             self.module,
             "--config",
             str(config),
-            "--grpc-port",
+            self.port_flag,
             str(self.grpc_port),
             "--metrics-port",
             str(self.metrics_port),
@@ -151,8 +153,8 @@ def free_port() -> int:
 
 def plan(
     mesh: dict[str, Any], repository: Path, auto_ports: bool, replicas: dict[str, int]
-) -> tuple[list[ProcessSpec], ProcessSpec]:
-    """The stage processes and the orchestrator process, with their ports."""
+) -> tuple[list[ProcessSpec], ProcessSpec, list[ProcessSpec]]:
+    """The stage processes, the orchestrator, and the edge (adapter, Envoy), with ports."""
     services = mesh.get("services") or {}
 
     def ports(service: str, index: int) -> tuple[int, int]:
@@ -160,7 +162,8 @@ def plan(
             return free_port(), free_port()
         settings = services.get(service) or {}
         metrics = int(settings.get("metrics_port", -1))
-        return int(settings["grpc_port"]) + index, (metrics + index if metrics > 0 else metrics)
+        port = int(settings.get("grpc_port", settings.get("http_port", 0)))
+        return port + index, (metrics + index if metrics > 0 else metrics)
 
     stages: list[ProcessSpec] = []
     for stage in (mesh.get("supervisor") or {}).get("stages", []):
@@ -188,7 +191,36 @@ def plan(
         metrics_port,
         ("--model-repository", str(repository), *stage_args),
     )
-    return stages, orchestrator
+    edge = (
+        _edge(ports, f"{host}:{orchestrator.grpc_port}", host)
+        if ((mesh.get("supervisor") or {}).get("edge", False))
+        else []
+    )
+    return stages, orchestrator, edge
+
+
+def _edge(ports: Any, orchestrator: str, host: str) -> list[ProcessSpec]:
+    """The HTTP adapter and Envoy, both pointed at the orchestrator."""
+    adapter_port, _ = ports("http_adapter", 0)
+    envoy_port, _ = ports("envoy", 0)
+    adapter = ProcessSpec(
+        "http_adapter",
+        "http_adapter",
+        "gateway.http.main",
+        adapter_port,
+        -1,
+        ("--orchestrator", orchestrator),
+        port_flag="--http-port",
+    )
+    envoy = ProcessSpec(
+        "envoy",
+        "envoy",
+        "gateway.envoy.main",
+        envoy_port,
+        -1,
+        ("--orchestrator", orchestrator, "--http-adapter", f"{host}:{adapter_port}"),
+    )
+    return [adapter, envoy]
 
 
 async def supervise(args: argparse.Namespace) -> int:
@@ -197,7 +229,7 @@ async def supervise(args: argparse.Namespace) -> int:
     settings = mesh.get("supervisor") or {}
     backoff = tuple(settings.get("restart_backoff_s", [0.5, 10.0]))
     replicas = dict(item.split("=", 1) for item in args.replicas)
-    stage_specs, orchestrator_spec = plan(
+    stage_specs, orchestrator_spec, edge_specs = plan(
         mesh,
         args.model_repository.expanduser().resolve(),
         args.ports == "auto",
@@ -213,18 +245,24 @@ async def supervise(args: argparse.Namespace) -> int:
     orchestrator = ManagedProcess(
         orchestrator_spec, args.config, (float(backoff[0]), float(backoff[1]))
     )
-    tasks = [asyncio.create_task(m.run()) for m in managed]
+    edge = [
+        ManagedProcess(s, args.config, (float(backoff[0]), float(backoff[1]))) for s in edge_specs
+    ]
+    tasks: list[asyncio.Task[None]] = []
     try:
-        if not await _wait_ready(managed, stop, args.ready_timeout_s):
-            return 1
-        tasks.append(asyncio.create_task(orchestrator.run()))
-        if not await _wait_ready([orchestrator], stop, args.ready_timeout_s):
-            return 1
-        _announce(orchestrator, managed, args.model_repository.expanduser().resolve())
+        # Inside out: stages, then the orchestrator, then the edge; each group
+        # starts once the one it talks to is ready.
+        for group in (managed, [orchestrator], edge):
+            tasks += [asyncio.create_task(m.run()) for m in group]
+            if not await _wait_ready(group, stop, args.ready_timeout_s):
+                return 1
+        _announce(orchestrator, [*managed, *edge], args.model_repository.expanduser().resolve())
         await stop.wait()
         log("stopping the mesh")
         return 0
     finally:
+        # Outside in: the edge first, then the orchestrator, then the stages.
+        await asyncio.gather(*(m.stop(args.grace_s) for m in edge))
         await orchestrator.stop(args.grace_s)
         await asyncio.gather(*(m.stop(args.grace_s) for m in managed))
         for task in tasks:
@@ -272,6 +310,9 @@ def _announce(
         },
     }
     log(f"mesh ready: KServe v2 gRPC on {orchestrator.address}")
+    edge = [p for p in stages if p.spec.stage == "envoy"]
+    if edge:
+        log(f"edge (Envoy): HTTP/JSON, gRPC and grpc-web on {edge[0].address}")
     if orchestrator.spec.metrics_port > 0:
         host = orchestrator.address.rsplit(":", 1)[0]
         log(f"metrics on http://{host}:{orchestrator.spec.metrics_port}/metrics")

@@ -1,0 +1,80 @@
+"""The whole local mesh on the default model repository, once per session."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import ROOT
+from tests.otlp import OtlpReceiver
+
+
+@pytest.fixture(scope="session")
+def otlp() -> Iterator[OtlpReceiver]:
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.stop()
+
+
+def start_mesh(
+    repository: Path, config: Path, extra: list[str]
+) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """Run the supervisor with free ports; returns it and its ready info."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deploy.local.supervisor",
+            "--model-repository",
+            str(repository),
+            "--config",
+            str(config),
+            "--ports",
+            "auto",
+            *extra,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        line = proc.stdout.readline()
+        if line.startswith("MESHSERVE_MESH_READY"):
+            return proc, json.loads(line.split(" ", 1)[1])
+    proc.kill()
+    raise RuntimeError("the mesh did not become ready")
+
+
+def stop_mesh(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM the supervisor (it stops its children) and wait."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+@pytest.fixture(scope="session")
+def mesh(
+    prepared_repository: Path, otlp: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    """Every service of the default mesh, exporting spans to the test's receiver."""
+    default = (ROOT / "deploy" / "local" / "mesh.yaml").read_text()
+    config = tmp_path_factory.mktemp("mesh") / "mesh.yaml"
+    config.write_text(
+        default.replace("defaults:\n", f"defaults:\n  otlp_endpoint: {otlp.endpoint}\n", 1)
+    )
+    proc, info = start_mesh(prepared_repository, config, [])
+    yield info
+    stop_mesh(proc)
