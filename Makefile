@@ -5,9 +5,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 BUF    := .tools/node_modules/.bin/buf
 CACHE  ?= $(or $(MESHSERVE_CACHE),$(HOME)/.cache/meshserve)
-HOST   ?= 127.0.0.1
-GRPC_PORT    ?= 8001
-METRICS_PORT ?= 8002
+NODE_DEPS := tests/node/node_modules/.package-lock.json
+MESH   ?= deploy/local/mesh.yaml
 
 .PHONY: install models protos lint test test-fast run clean bench gpu-check
 
@@ -22,6 +21,10 @@ $(STAMP): pyproject.toml requirements-models.txt
 
 $(BUF):
 	npm install --silent --no-audit --no-fund --prefix .tools @bufbuild/buf@1.75.0
+
+# The Node.js gRPC client the gateway tests use (loads protos/ only).
+$(NODE_DEPS): tests/node/package.json tests/node/package-lock.json
+	npm ci --silent --no-audit --no-fund --prefix tests/node
 
 install: $(STAMP)
 
@@ -38,15 +41,15 @@ lint: $(STAMP) $(BUF)
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
-test: lint models
+test: lint models $(NODE_DEPS)
 	MESHSERVE_CACHE=$(CACHE) $(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -x tests/unit
 
+# Every service as its own process (ports in $(MESH)); Ctrl-C stops them all.
 run: models
-	$(PY) -m services.inference.main --model-repository $(CACHE)/repository \
-		--host $(HOST) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+	$(PY) -m deploy.local.supervisor --model-repository $(CACHE)/repository --config $(MESH)
 
 bench: models
 	MESHSERVE_CACHE=$(CACHE) $(PY) loadtests/bench_inference.py

@@ -108,6 +108,13 @@ def _routes(settings: EdgeSettings) -> list[dict[str, Any]]:
             "disabled": True,
         }
     }
+    # The adapter's routes are plain HTTP: the transcoder must not claim them.
+    no_transcoder = {
+        "envoy.filters.http.grpc_json_transcoder": {
+            "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig",
+            "disabled": True,
+        }
+    }
     timeout = f"{settings.request_timeout_s:g}s"
     return [
         {
@@ -126,9 +133,17 @@ def _routes(settings: EdgeSettings) -> list[dict[str, Any]]:
             "typed_per_filter_config": no_buffer,
         },
         {"match": {"prefix": "/api/v1/"}, "route": {"cluster": "orchestrator", "timeout": timeout}},
-        {"match": {"prefix": "/v2"}, "route": {"cluster": "http_adapter", "timeout": timeout}},
+        {
+            "match": {"prefix": "/v2"},
+            "route": {"cluster": "http_adapter", "timeout": timeout},
+            "typed_per_filter_config": no_transcoder,
+        },
         # OpenAI streams (SSE) may run long: no overall timeout.
-        {"match": {"prefix": "/v1/"}, "route": {"cluster": "http_adapter", "timeout": "0s"}},
+        {
+            "match": {"prefix": "/v1/"},
+            "route": {"cluster": "http_adapter", "timeout": "0s"},
+            "typed_per_filter_config": no_transcoder,
+        },
         {
             "match": {"prefix": "/"},
             "direct_response": {"status": 404, "body": {"inline_string": "no route for this path"}},
@@ -137,7 +152,14 @@ def _routes(settings: EdgeSettings) -> list[dict[str, Any]]:
 
 
 def _http_filters(settings: EdgeSettings) -> list[dict[str, Any]]:
-    filters: list[dict[str, Any]] = []
+    # grpc-web first: once it is plain gRPC, every later local reply (401, 429)
+    # goes back as a gRPC status, re-encoded for the browser on the way out.
+    filters: list[dict[str, Any]] = [
+        {
+            "name": "envoy.filters.http.grpc_web",
+            "typed_config": {"@type": f"{_TYPES}.filters.http.grpc_web.v3.GrpcWeb"},
+        }
+    ]
     if settings.rate_limit is not None:
         limit = settings.rate_limit
         filters.append(
@@ -187,10 +209,6 @@ def _http_filters(settings: EdgeSettings) -> list[dict[str, Any]]:
                 "@type": f"{_TYPES}.filters.http.buffer.v3.Buffer",
                 "max_request_bytes": settings.max_request_bytes,
             },
-        },
-        {
-            "name": "envoy.filters.http.grpc_web",
-            "typed_config": {"@type": f"{_TYPES}.filters.http.grpc_web.v3.GrpcWeb"},
         },
         {
             "name": "envoy.filters.http.grpc_json_transcoder",

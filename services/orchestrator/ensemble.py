@@ -13,7 +13,7 @@ No gRPC here: steps are executed through a ``StepCall`` the servicer provides.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -48,6 +48,8 @@ class ModelIO:
 
     inputs: Mapping[str, TensorSpec]
     outputs: Mapping[str, TensorSpec]
+    decoupled: bool = False
+    """True when the model streams several responses per request."""
 
     @classmethod
     def from_config(cls, config: mc.ModelConfig) -> ModelIO:
@@ -65,6 +67,7 @@ class ModelIO:
         return cls(
             inputs={t.name: spec(t, t.optional) for t in config.input},
             outputs={t.name: spec(t, False) for t in config.output},
+            decoupled=config.model_transaction_policy.decoupled,
         )
 
 
@@ -84,6 +87,13 @@ class Step:
 
 
 StepCall = Callable[[Step, dict[str, WireTensor], list[str]], Awaitable[dict[str, WireTensor]]]
+StepStream = Callable[
+    [Step, dict[str, WireTensor], list[str]], AsyncIterator[dict[str, WireTensor]]
+]
+
+# An ensemble output with this name, once non-empty, ends a streamed response
+# (the detokenizer reports a stop string or the engine's finish reason there).
+FINISH_TENSOR = "FINISH_REASON"
 
 
 def _compatible(a: Sequence[int], b: Sequence[int]) -> bool:
@@ -93,11 +103,17 @@ def _compatible(a: Sequence[int], b: Sequence[int]) -> bool:
 class EnsemblePlan:
     """A validated ensemble, ready to run."""
 
-    def __init__(self, config: mc.ModelConfig, steps: list[Step], io: ModelIO) -> None:
+    def __init__(
+        self, config: mc.ModelConfig, steps: list[Step], io: ModelIO, streaming: Step | None = None
+    ) -> None:
         self.name = config.name
         self.config = config
         self.steps = steps
         self.io = io
+        self.streaming = streaming
+        """The decoupled step, if any: the ensemble then streams."""
+        self.downstream = _downstream(steps, streaming) if streaming else []
+        self.upstream = [s for s in steps if s is not streaming and s not in self.downstream]
 
     @classmethod
     def build(cls, config: mc.ModelConfig, models: Mapping[str, ModelIO]) -> EnsemblePlan:
@@ -140,24 +156,83 @@ class EnsemblePlan:
                 )
             _check_match(f"ensemble '{name}' output '{out.name}'", producers[out.name], out)
         _check_acyclic(name, steps, set(io.inputs))
-        return cls(config, steps, io)
+        decoupled = [s for s in steps if models[s.model].decoupled]
+        if len(decoupled) > 1:
+            raise ConfigError(
+                f"{decoupled[1].describe(name)}: only one decoupled (streaming) "
+                "step per ensemble is supported"
+            )
+        if decoupled:
+            io = ModelIO(io.inputs, io.outputs, decoupled=True)
+        return cls(config, steps, io, decoupled[0] if decoupled else None)
 
     async def run(
         self, inputs: dict[str, WireTensor], call: StepCall, tracer: trace.Tracer
     ) -> dict[str, WireTensor]:
         """Execute the graph: each step starts when its inputs exist."""
+        if self.streaming is not None:
+            raise InvalidArgument(
+                f"ensemble '{self.name}' is decoupled (its step "
+                f"'{self.streaming.model}' streams); use ModelStreamInfer"
+            )
         self._check_request(inputs)
-        available = dict(inputs)
-        pending = list(self.steps)
+        available = await self._execute(self.steps, dict(inputs), call, tracer)
+        return {name: available[name] for name in self.io.outputs}
+
+    async def stream(
+        self,
+        inputs: dict[str, WireTensor],
+        call: StepCall,
+        stream_call: StepStream,
+        tracer: trace.Tracer,
+    ) -> AsyncIterator[dict[str, WireTensor]]:
+        """Run the steps before the decoupled one once, then the steps after it for
+        every response it streams; ends early when FINISH_REASON turns non-empty."""
+        step = self.streaming
+        if step is None:
+            yield await self.run(inputs, call, tracer)
+            return
+        self._check_request(inputs)
+        before = await self._execute(self.upstream, dict(inputs), call, tracer)
+        step_inputs = {k: before[v] for k, v in step.input_map.items() if v in before}
+        responses = stream_call(step, step_inputs, list(step.output_map))
+        try:
+            async for produced in responses:
+                available = dict(before)
+                for out_name, tensor in step.output_map.items():
+                    if out_name in produced:
+                        available[tensor] = produced[out_name]
+                available = await self._execute(self.downstream, available, call, tracer)
+                outputs = {name: available[name] for name in self.io.outputs if name in available}
+                yield outputs
+                finish = outputs.get(FINISH_TENSOR)
+                if finish is not None and finish.raw.strip(b"\x00\x01\x02\x03"):
+                    return  # closing the stream below cancels the generation upstream
+        finally:
+            await responses.aclose()  # type: ignore[attr-defined]
+
+    async def _execute(
+        self,
+        steps: Sequence[Step],
+        available: dict[str, WireTensor],
+        call: StepCall,
+        tracer: trace.Tracer,
+    ) -> dict[str, WireTensor]:
+        """Dataflow over ``steps``; optional ensemble inputs not sent are skipped."""
+        absent = {n for n, spec in self.io.inputs.items() if spec.optional} - set(available)
+        pending = list(steps)
         running: dict[asyncio.Task[dict[str, WireTensor]], Step] = {}
         try:
             while pending or running:
-                for step in [s for s in pending if set(s.input_map.values()) <= set(available)]:
+                for step in [
+                    s for s in pending if set(s.input_map.values()) - absent <= set(available)
+                ]:
                     pending.remove(step)
-                    step_inputs = {k: available[v] for k, v in step.input_map.items()}
-                    running[
-                        asyncio.create_task(self._run_step(step, step_inputs, call, tracer))
-                    ] = step
+                    step_inputs = {
+                        k: available[v] for k, v in step.input_map.items() if v in available
+                    }
+                    task = asyncio.create_task(self._run_step(step, step_inputs, call, tracer))
+                    running[task] = step
                 if not running:
                     missing = sorted(
                         {t for s in pending for t in s.input_map.values()} - set(available)
@@ -175,7 +250,7 @@ class EnsemblePlan:
         finally:
             for task in running:
                 task.cancel()
-        return {name: available[name] for name in self.io.outputs}
+        return available
 
     async def _run_step(
         self, step: Step, inputs: dict[str, WireTensor], call: StepCall, tracer: trace.Tracer
@@ -276,3 +351,20 @@ def _check_acyclic(name: str, steps: list[Step], inputs: set[str]) -> None:
         for step in runnable:
             remaining.remove(step)
             available.update(step.output_map.values())
+
+
+def _downstream(steps: list[Step], source: Step) -> list[Step]:
+    """Steps that (transitively) read what ``source`` produces, in config order."""
+    produced = set(source.output_map.values())
+    found: list[Step] = []
+    changed = True
+    while changed:
+        changed = False
+        for step in steps:
+            if step is source or step in found:
+                continue
+            if set(step.input_map.values()) & produced:
+                found.append(step)
+                produced |= set(step.output_map.values())
+                changed = True
+    return [s for s in steps if s in found]

@@ -1,0 +1,271 @@
+"""The aiohttp application: KServe v2 REST routes over the orchestrator.
+
+Handlers are translation only (path -> proto request -> ``Upstream.call`` ->
+JSON document). One middleware does what every route shares: the server span
+(continuing the caller's W3C ``traceparent``), refusing work while draining,
+request metrics, and errors: a ``MeshError`` answers with its class's
+``http_status`` and ``{"error": message}``, an aiohttp HTTP error (unknown
+route, wrong method) with its own status, anything else with 500 and a
+generic message while the traceback goes to the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from aiohttp import web
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from gateway.http import documents, rest
+from gateway.http.upstream import Upstream
+from inference import grpc_service_pb2 as pb
+from shared.errors import GENERIC_INTERNAL_MESSAGE, MeshError, Unavailable
+from shared.tracing import extract_context
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Bodies up to this size are parsed and rendered on the event loop; larger
+# ones in a worker thread, so one big tensor does not stall every other call.
+_INLINE_BYTES = 256 * 1024
+
+
+@dataclass
+class AdapterState:
+    """What the handlers share: the orchestrator client, limits, drain flag, metrics."""
+
+    upstream: Upstream
+    tracer: trace.Tracer
+    max_body_bytes: int
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    draining: bool = False
+
+    def __post_init__(self) -> None:
+        self.requests = Counter(
+            "meshserve_http_requests",
+            "HTTP requests answered, by route and status",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "meshserve_http_request_duration_seconds",
+            "Time from request received to response ready",
+            ["method", "route"],
+            registry=self.registry,
+        )
+
+
+STATE = web.AppKey("state", AdapterState)
+
+
+async def _offload(size: int, fn: Callable[..., T], *args: Any) -> T:
+    if size <= _INLINE_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def _json(document: Any, status: int = 200) -> web.Response:
+    return web.json_response(document, status=status)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return _json({"error": message}, status)
+
+
+def _http_message(request: web.Request, exc: web.HTTPException) -> str:
+    if exc.status == 404:
+        return f"no route for {request.method} {request.path}"
+    if exc.status == 405:
+        return f"{request.method} is not allowed on {request.path}"
+    return exc.text or exc.reason
+
+
+async def _answer(request: web.Request, handler: Any, state: AdapterState) -> web.StreamResponse:
+    try:
+        if state.draining and not request.path.startswith("/v2/health/"):
+            raise Unavailable("the HTTP adapter is shutting down; retry on another replica")
+        response: web.StreamResponse = await handler(request)
+        return response
+    except MeshError as exc:
+        return _error(exc.http_status, exc.message)
+    except web.HTTPException as exc:
+        return _error(exc.status, _http_message(request, exc))
+    except Exception:
+        log.exception("unexpected error in %s %s", request.method, request.path)
+        return _error(500, GENERIC_INTERNAL_MESSAGE)
+
+
+@web.middleware
+async def front(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Span, drain check, metrics and the error map around every route."""
+    state = request.app[STATE]
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    started = time.perf_counter()
+    carrier = [(key.lower(), value) for key, value in request.headers.items()]
+    with state.tracer.start_as_current_span(
+        f"{request.method} {route}",
+        context=extract_context(carrier),
+        kind=SpanKind.SERVER,
+        attributes={"http.request.method": request.method, "http.route": route},
+    ) as span:
+        response = await _answer(request, handler, state)
+        span.set_attribute("http.response.status_code", response.status)
+        if response.status >= 500:
+            span.set_status(Status(StatusCode.ERROR))
+    state.requests.labels(request.method, route, str(response.status)).inc()
+    state.latency.labels(request.method, route).observe(time.perf_counter() - started)
+    return response
+
+
+def _model(request: web.Request) -> tuple[str, str]:
+    return request.match_info["name"], request.match_info.get("version", "")
+
+
+async def _read_body(request: web.Request) -> bytes:
+    """The request body, size-checked and with its Content-Encoding undone."""
+    limit = request.app[STATE].max_body_bytes
+    too_large = rest.PayloadTooLarge(
+        f"request body exceeds {limit} bytes (max_body_bytes of the HTTP adapter)"
+    )
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
+    encoding = request.headers.get("Content-Encoding")
+    return await _offload(len(body), rest.decode_body, body, encoding, limit)
+
+
+async def _call(request: web.Request, method: str, message: Any) -> Any:
+    return await request.app[STATE].upstream.call(method, message)
+
+
+def _readiness(ready: bool, reason: str) -> web.Response:
+    # The spec answers "not ready" with a 4xx; Triton uses 400.
+    return _json({"ready": True}) if ready else _json({"ready": False, "error": reason}, 400)
+
+
+async def server_live(request: web.Request) -> web.Response:
+    """GET /v2/health/live: this process is up (the orchestrator may not be)."""
+    return _json({"live": True})
+
+
+async def server_ready(request: web.Request) -> web.Response:
+    """GET /v2/health/ready: the orchestrator is ready and this adapter not draining."""
+    if request.app[STATE].draining:
+        return _readiness(False, "the HTTP adapter is shutting down")
+    try:
+        answer = await _call(request, "ServerReady", pb.ServerReadyRequest())
+    except MeshError as exc:
+        return _readiness(False, exc.message)
+    return _readiness(answer.ready, "the orchestrator is not ready")
+
+
+async def server_metadata(request: web.Request) -> web.Response:
+    """GET /v2."""
+    answer = await _call(request, "ServerMetadata", pb.ServerMetadataRequest())
+    return _json(documents.to_json(answer))
+
+
+async def model_metadata(request: web.Request) -> web.Response:
+    """GET /v2/models/{name}[/versions/{version}]."""
+    name, version = _model(request)
+    answer = await _call(
+        request, "ModelMetadata", pb.ModelMetadataRequest(name=name, version=version)
+    )
+    return _json(documents.to_json(answer))
+
+
+async def model_ready(request: web.Request) -> web.Response:
+    """GET /v2/models/{name}[/versions/{version}]/ready."""
+    name, version = _model(request)
+    answer = await _call(request, "ModelReady", pb.ModelReadyRequest(name=name, version=version))
+    return _readiness(answer.ready, f"model '{name}' is not ready")
+
+
+async def model_config(request: web.Request) -> web.Response:
+    """GET /v2/models/{name}[/versions/{version}]/config."""
+    name, version = _model(request)
+    answer = await _call(request, "ModelConfig", pb.ModelConfigRequest(name=name, version=version))
+    return _json(documents.model_config(answer))
+
+
+async def model_statistics(request: web.Request) -> web.Response:
+    """GET /v2/models[/{name}[/versions/{version}]]/stats."""
+    name = request.match_info.get("name", "")
+    message = pb.ModelStatisticsRequest(name=name, version=request.match_info.get("version", ""))
+    answer = await _call(request, "ModelStatistics", message)
+    return _json(documents.to_json(answer))
+
+
+async def repository_index(request: web.Request) -> web.Response:
+    """POST /v2/repository/index."""
+    message = documents.index_request(await _read_body(request))
+    answer = await _call(request, "RepositoryIndex", message)
+    return _json(documents.repository_index(answer))
+
+
+async def model_load(request: web.Request) -> web.Response:
+    """POST /v2/repository/models/{name}/load."""
+    message = documents.load_request(request.match_info["name"], await _read_body(request))
+    await _call(request, "RepositoryModelLoad", message)
+    return _json({})
+
+
+async def model_unload(request: web.Request) -> web.Response:
+    """POST /v2/repository/models/{name}/unload."""
+    message = documents.unload_request(request.match_info["name"], await _read_body(request))
+    await _call(request, "RepositoryModelUnload", message)
+    return _json({})
+
+
+async def infer(request: web.Request) -> web.Response:
+    """POST /v2/models/{name}[/versions/{version}]/infer: JSON or binary tensors."""
+    name, version = _model(request)
+    body = await _read_body(request)
+    header_length = request.headers.get(rest.HEADER_LENGTH)
+    call = await _offload(len(body), rest.parse_infer, name, version, body, header_length)
+    answer: pb.ModelInferResponse = await _call(request, "ModelInfer", call.request)
+    size = sum(len(raw) for raw in answer.raw_output_contents)
+    payload, json_length = await _offload(size, rest.render_infer, call, answer)
+    if json_length is None:
+        response = web.Response(body=payload, content_type="application/json")
+    else:
+        response = web.Response(body=payload, content_type="application/octet-stream")
+        response.headers[rest.HEADER_LENGTH] = str(json_length)
+    # Compressed only when the caller asks (Accept-Encoding: gzip or deflate).
+    response.enable_compression()
+    return response
+
+
+def build_app(state: AdapterState) -> web.Application:
+    """The routes of the KServe v2 REST API (with Triton's extensions)."""
+    app = web.Application(middlewares=[front], client_max_size=state.max_body_bytes)
+    app[STATE] = state
+    model = "/v2/models/{name}"
+    version = "/v2/models/{name}/versions/{version}"
+    app.router.add_get("/v2/health/live", server_live)
+    app.router.add_get("/v2/health/ready", server_ready)
+    app.router.add_get("/v2", server_metadata)
+    # Before {name}: "stats" is the all-models statistics route, not a model.
+    app.router.add_get("/v2/models/stats", model_statistics)
+    for prefix in (model, version):
+        app.router.add_get(prefix, model_metadata)
+        app.router.add_get(prefix + "/ready", model_ready)
+        app.router.add_get(prefix + "/config", model_config)
+        app.router.add_get(prefix + "/stats", model_statistics)
+        app.router.add_post(prefix + "/infer", infer)
+    app.router.add_post("/v2/repository/index", repository_index)
+    app.router.add_post("/v2/repository/models/{name}/load", model_load)
+    app.router.add_post("/v2/repository/models/{name}/unload", model_unload)
+    return app

@@ -1,0 +1,125 @@
+"""The KServe v2 REST adapter process: HTTP/JSON in, KServe v2 gRPC to the orchestrator.
+
+``python -m gateway.http.main --orchestrator 127.0.0.1:8001 --http-port 8007``
+
+When ready it prints ``MESHSERVE_READY {json}`` like every service, with its
+HTTP address under ``http`` and, so launchers that read ``grpc`` as "the
+service's address" work unchanged, the same address under ``grpc``.
+On SIGTERM: readiness turns 400 and new requests get 503, the listener
+closes, in-flight requests get ``grace_period_s`` to finish, then the gRPC
+channels close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+from pydantic import Field
+
+from gateway.http.app import AdapterState, build_app
+from gateway.http.upstream import Upstream
+from shared.config import ServiceConfig, load_config
+from shared.launch import READY_MARKER
+from shared.metrics_http import start_metrics_server
+from shared.server import setup_logging
+from shared.tracing import make_tracer_provider, tracer_for
+
+log = logging.getLogger(__name__)
+
+SERVICE = "http_adapter"
+
+
+class HttpAdapterConfig(ServiceConfig):
+    """Settings of the KServe v2 REST adapter."""
+
+    http_port: int = Field(8007, ge=0, le=65535)
+    """HTTP port of the REST API; 0 picks a free one (printed on start)."""
+    grpc_port: int = Field(0, ge=0, le=65535)
+    """Ignored: the adapter serves no gRPC (accepted so launchers pass it uniformly)."""
+    orchestrator: str = Field("127.0.0.1:8001", pattern=r"^\S+:\d{1,5}$")
+    """The orchestrator's KServe v2 gRPC address (host:port)."""
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024, le=2**31 - 1)
+    """Largest request body, also after gzip/deflate inflation; larger gets 413."""
+    channels: int = Field(4, ge=1, le=64)
+    """gRPC connections to the orchestrator; calls go round robin over them."""
+    request_timeout_s: float = Field(300.0, gt=0.0, le=3600.0)
+    """Deadline of each call to the orchestrator; past it the caller gets 504."""
+
+
+def _announce(config: HttpAdapterConfig, runner: web.AppRunner, metrics_port: int | None) -> str:
+    host, port = runner.addresses[0][:2]
+    address = f"{host}:{port}"
+    info = {
+        "service": config.service_name,
+        "grpc": address,
+        "http": address,
+        "metrics_port": metrics_port,
+    }
+    print(f"{READY_MARKER} {json.dumps(info)}", flush=True)
+    return address
+
+
+async def serve(config: HttpAdapterConfig) -> None:
+    """Serve the REST API until SIGTERM or SIGINT, then drain and stop."""
+    provider = make_tracer_provider(config.service_name, config.otlp_endpoint)
+    tracer = tracer_for(provider, "meshserve.http_adapter")
+    upstream = Upstream(
+        config.orchestrator,
+        channels=config.channels,
+        max_message_bytes=config.max_message_bytes,
+        timeout_s=config.request_timeout_s,
+        tracer=tracer,
+    )
+    state = AdapterState(upstream, tracer, config.max_body_bytes)
+    # auto_decompress off: rest.decode_body inflates with the body limit applied.
+    runner = web.AppRunner(
+        build_app(state),
+        access_log=None,
+        auto_decompress=False,
+        shutdown_timeout=config.grace_period_s,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    metrics = None
+    try:
+        await runner.setup()
+        await web.TCPSite(runner, config.host, config.http_port).start()
+        if config.metrics_port >= 0:
+            metrics = start_metrics_server(config.host, config.metrics_port, state.registry)
+        address = _announce(config, runner, metrics.server_address[1] if metrics else None)
+        log.info("%s listening on http://%s -> %s", SERVICE, address, config.orchestrator)
+        await stop.wait()
+        log.info("%s draining (grace %.1fs)", SERVICE, config.grace_period_s)
+        state.draining = True
+    finally:
+        await runner.cleanup()
+        await upstream.close()
+        if metrics is not None:
+            metrics.shutdown()
+            metrics.server_close()
+        provider.shutdown()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parse the config once and serve until SIGTERM."""
+    config = load_config(HttpAdapterConfig, argv, service=SERVICE)
+    setup_logging(config.log_level)
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        print(f"{SERVICE}: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from exc
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

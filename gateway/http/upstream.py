@@ -1,0 +1,70 @@
+"""The orchestrator, as the adapter sees it: KServe v2 gRPC over a pool of channels.
+
+Each call goes to the next channel in turn (one HTTP/2 connection caps
+throughput under load), carries the current trace context as W3C
+``traceparent`` metadata (the shared client interceptors open a client span
+under the adapter's server span), and has a deadline. A failed call is
+re-raised as the ``shared.errors`` class of its status, so the HTTP status
+comes from the same tree that produced the gRPC one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+from opentelemetry import trace
+
+from inference import grpc_service_pb2_grpc as pb_grpc
+from shared.errors import error_for_status
+from shared.interceptors import client_interceptors
+
+
+class Upstream:
+    """KServe v2 calls to one orchestrator address, round robin over ``channels``."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        channels: int,
+        max_message_bytes: int,
+        timeout_s: float,
+        tracer: trace.Tracer,
+    ) -> None:
+        options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            # Without a local pool, channels to one target share one connection.
+            ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.keepalive_time_ms", 30_000),
+        ]
+        self.target = target
+        self.timeout_s = timeout_s
+        self._channels = [
+            grpc.aio.insecure_channel(
+                target, options=options, interceptors=client_interceptors(tracer)
+            )
+            for _ in range(channels)
+        ]
+        self._stubs = [pb_grpc.GRPCInferenceServiceStub(c) for c in self._channels]  # type: ignore[no-untyped-call]
+        self._next = itertools.cycle(range(channels))
+
+    async def call(self, method: str, request: Message) -> Any:
+        """``GRPCInferenceService/<method>(request)``; a failure raises its MeshError."""
+        stub = self._stubs[next(self._next)]
+        try:
+            return await getattr(stub, method)(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            details = exc.details() or code.name.lower()
+            if code == grpc.StatusCode.UNAVAILABLE:
+                details = f"orchestrator {self.target}: {details}"
+            raise error_for_status(code, details) from exc
+
+    async def close(self) -> None:
+        """Close every channel (calls still open are cancelled)."""
+        await asyncio.gather(*(channel.close() for channel in self._channels))
