@@ -132,6 +132,11 @@ def _routes(settings: EdgeSettings) -> list[dict[str, Any]]:
             },
             "typed_per_filter_config": no_buffer,
         },
+        # Token streams may run long: no overall timeout for generate and chat.
+        {
+            "match": {"safe_regex": {"regex": "/api/v1/(generate|chat)"}},
+            "route": {"cluster": "orchestrator", "timeout": "0s"},
+        },
         {"match": {"prefix": "/api/v1/"}, "route": {"cluster": "orchestrator", "timeout": timeout}},
         {
             "match": {"prefix": "/v2"},
@@ -221,6 +226,8 @@ def _http_filters(settings: EdgeSettings) -> list[dict[str, Any]]:
                     "add_whitespace": False,
                     "always_print_primitive_fields": True,
                     "preserve_proto_field_names": True,
+                    # Server streams (Generate, Chat) reach HTTP clients as Server-Sent Events.
+                    "stream_sse_style_delimited": True,
                 },
                 "request_validation_options": {"reject_unknown_method": True},
             },

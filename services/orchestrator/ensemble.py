@@ -20,7 +20,7 @@ from opentelemetry import trace
 
 from inference import model_config_pb2 as mc
 from shared.errors import ConfigError, InvalidArgument, MeshError, error_for_status
-from shared.tensors import config_datatype
+from shared.tensors import config_datatype, decode_raw
 
 
 @dataclass(frozen=True)
@@ -205,8 +205,7 @@ class EnsemblePlan:
                 available = await self._execute(self.downstream, available, call, tracer)
                 outputs = {name: available[name] for name in self.io.outputs if name in available}
                 yield outputs
-                finish = outputs.get(FINISH_TENSOR)
-                if finish is not None and finish.raw.strip(b"\x00\x01\x02\x03"):
+                if _finished(outputs.get(FINISH_TENSOR)):
                     return  # closing the stream below cancels the generation upstream
         finally:
             await responses.aclose()  # type: ignore[attr-defined]
@@ -368,3 +367,13 @@ def _downstream(steps: list[Step], source: Step) -> list[Step]:
                 produced |= set(step.output_map.values())
                 changed = True
     return [s for s in steps if s in found]
+
+
+def _finished(tensor: WireTensor | None) -> bool:
+    """True when a FINISH_REASON tensor holds a non-empty reason."""
+    if tensor is None or tensor.datatype != "BYTES":
+        return False
+    return any(
+        bool(item)
+        for item in decode_raw(FINISH_TENSOR, "BYTES", tensor.shape, tensor.raw).reshape(-1)
+    )

@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from opentelemetry import trace
 
 from inference import model_config_pb2 as mc
-from services.orchestrator.ensemble import EnsemblePlan, ModelIO, StepCall, WireTensor
+from services.orchestrator.ensemble import (
+    EnsemblePlan,
+    ModelIO,
+    StepCall,
+    StepStream,
+    WireTensor,
+)
 from shared.errors import MeshError, NotFound, Unavailable
 from shared.repository import ModelRepository
 from shared.statistics import Metrics, StatsRecorder
@@ -118,6 +124,27 @@ class EnsembleRegistry:
         if plan is None and name in self.failed:
             raise Unavailable(f"ensemble '{name}' is not loaded: {self.failed[name]}")
         return plan
+
+    async def stream(
+        self,
+        plan: EnsemblePlan,
+        inputs: dict[str, WireTensor],
+        call: StepCall,
+        stream_call: StepStream,
+        tracer: trace.Tracer,
+    ) -> AsyncIterator[dict[str, WireTensor]]:
+        """Stream one request through a decoupled ``plan``, recording statistics."""
+        started = time.monotonic_ns()
+        recorder = self.stats[plan.name]
+        try:
+            async for outputs in plan.stream(inputs, call, stream_call, tracer):
+                yield outputs
+        except BaseException:
+            recorder.request_done(time.monotonic_ns() - started, 0, False, "BACKEND")
+            raise
+        elapsed = time.monotonic_ns() - started
+        recorder.request_done(elapsed, 0, True)
+        recorder.batch_done(1, 0, elapsed, 0)
 
     async def run(
         self,

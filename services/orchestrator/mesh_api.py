@@ -7,7 +7,9 @@ so ensembles, routing and errors behave exactly as for a v2 client.
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -22,6 +24,8 @@ from shared.tensors import DATATYPES, decode_outputs, encode_inputs
 
 DEFAULT_CLASSIFIER = "image_classifier"
 DEFAULT_EMBEDDER = "text_embedding"
+DEFAULT_LLM = "llm"
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "repetition_penalty")
 _STATES = {
     "READY": api.MODEL_STATE_READY,
     "LOADING": api.MODEL_STATE_LOADING,
@@ -207,6 +211,42 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
         response.dimensions = len(response.embeddings[0].values)
         return response
 
+    async def Generate(self, request: api.GenerateRequest, context: Any) -> AsyncIterator[Any]:
+        if not request.prompt:
+            raise InvalidArgument("prompt: a non-empty prompt is required")
+        inputs = {"PROMPT": np.array([request.prompt.encode()], dtype=object)}
+        async for delta in self._generate(request.model, inputs, request.sampling, context):
+            yield api.GenerateResponse(delta=delta)
+
+    async def Chat(self, request: api.ChatRequest, context: Any) -> AsyncIterator[Any]:
+        if not request.messages:
+            raise InvalidArgument("messages: at least one message is required")
+        for index, message in enumerate(request.messages):
+            if message.role not in ("system", "user", "assistant"):
+                raise InvalidArgument(
+                    f"messages[{index}].role: expected system, user or "
+                    f"assistant, got {message.role!r}"
+                )
+        messages = json.dumps([{"role": m.role, "content": m.content} for m in request.messages])
+        inputs = {"MESSAGES": np.array([messages.encode()], dtype=object)}
+        async for delta in self._generate(request.model, inputs, request.sampling, context):
+            yield api.ChatResponse(delta=delta)
+
+    async def _generate(
+        self, model: str, inputs: dict[str, np.ndarray], sampling: api.SamplingParams, context: Any
+    ) -> AsyncIterator[api.TextDelta]:
+        inputs["SAMPLING"] = np.array([sampling_json(sampling).encode()], dtype=object)
+        request = pb.ModelInferRequest(model_name=model or DEFAULT_LLM)
+        encode_inputs(request, inputs)
+        async for response in self.v2.stream_responses(request, context):
+            outputs = decode_outputs(response)
+            yield api.TextDelta(
+                text=_text(outputs.get("TEXT_DELTA")),
+                finish_reason=_text(outputs.get("FINISH_REASON")),
+                prompt_tokens=_count(outputs.get("PROMPT_TOKENS")),
+                completion_tokens=_count(outputs.get("COMPLETION_TOKENS")),
+            )
+
     async def Health(self, request: api.HealthRequest, context: Any) -> Any:
         stages: dict[str, list[bool]] = defaultdict(list)
         for endpoint in self.v2.router.endpoints:
@@ -222,6 +262,28 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
         serving = all(s.status == api.SERVING_STATUS_SERVING for s in response.stages)
         response.status = api.SERVING_STATUS_SERVING if serving else api.SERVING_STATUS_NOT_SERVING
         return response
+
+
+def sampling_json(sampling: api.SamplingParams) -> str:
+    """The SamplingParams fields that are set, as the JSON the LLM steps read."""
+    values: dict[str, Any] = {
+        name: getattr(sampling, name) for name in _SAMPLING_FIELDS if sampling.HasField(name)
+    }
+    if sampling.stop_token_ids:
+        values["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.stop:
+        values["stop"] = list(sampling.stop)
+    return json.dumps(values)
+
+
+def _text(array: np.ndarray | None) -> str:
+    if array is None or array.size == 0:
+        return ""
+    return bytes(array.reshape(-1)[0]).decode(errors="replace")
+
+
+def _count(array: np.ndarray | None) -> int:
+    return 0 if array is None or array.size == 0 else int(array.reshape(-1)[0])
 
 
 def add_mesh_api(servicer: MeshApiServicer, server: Any) -> None:

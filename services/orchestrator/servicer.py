@@ -9,6 +9,7 @@ bounds every step, and a cancelled caller cancels every step in flight.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -18,6 +19,7 @@ from inference import grpc_service_pb2 as pb
 from services.orchestrator.ensemble import EnsemblePlan, Step, WireTensor
 from services.orchestrator.ensembles import EnsembleRegistry, is_ensemble
 from services.orchestrator.router import StageRouter
+from services.orchestrator.streaming import FINAL_PARAMETER, relay, step_request, wire_outputs
 from shared.errors import InvalidArgument, MeshError, NotFound, error_for_status
 from shared.repository import hosting_service
 from shared.servicer import BaseServicer, stats_to_proto
@@ -61,6 +63,7 @@ class OrchestratorServicer(BaseServicer):
         self.router = router
         self.ensembles = ensembles
         self.tracer = tracer
+        self._decoupled: dict[str, bool] = {}
 
     async def _forward(self, model: str, method: str, request: Any, context: Any) -> Any:
         try:
@@ -110,6 +113,12 @@ class OrchestratorServicer(BaseServicer):
         outputs = await self.ensembles.run(
             plan, wire_inputs(request), self._step_call(plan, request, context), self.tracer
         )
+        return self._ensemble_response(plan, request, outputs)
+
+    @staticmethod
+    def _ensemble_response(
+        plan: EnsemblePlan, request: pb.ModelInferRequest, outputs: dict[str, WireTensor]
+    ) -> pb.ModelInferResponse:
         wanted = [o.name for o in request.outputs] or list(outputs)
         unknown = [name for name in wanted if name not in outputs]
         if unknown:
@@ -127,24 +136,57 @@ class OrchestratorServicer(BaseServicer):
         async def call(
             step: Step, inputs: dict[str, WireTensor], outputs: list[str]
         ) -> dict[str, WireTensor]:
-            sub = pb.ModelInferRequest(
-                model_name=step.model, model_version=step.version, id=request.id
-            )
+            sub = step_request(step, inputs, outputs, request.id)
             for key in ("priority", "timeout"):
                 if key in request.parameters:
                     sub.parameters[key].CopyFrom(request.parameters[key])
-            for name, tensor in inputs.items():
-                sub.inputs.add(name=name, datatype=tensor.datatype, shape=list(tensor.shape))
-                sub.raw_input_contents.append(tensor.raw)
-            for name in outputs:
-                sub.outputs.add(name=name)
-            answer = await self.ModelInfer(sub, context)
-            return {
-                t.name: WireTensor(t.datatype, tuple(t.shape), raw)
-                for t, raw in zip(answer.outputs, answer.raw_output_contents, strict=True)
-            }
+            return wire_outputs(await self.ModelInfer(sub, context))
 
         return call
+
+    def _step_stream(self, request: pb.ModelInferRequest, context: Any) -> Any:
+        async def stream(
+            step: Step, inputs: dict[str, WireTensor], outputs: list[str]
+        ) -> AsyncIterator[dict[str, WireTensor]]:
+            sub = step_request(step, inputs, outputs, request.id)
+            async for response in relay(self.router, sub, _deadline(context)):
+                yield wire_outputs(response)
+
+        return stream
+
+    async def _is_decoupled(self, model: str) -> bool:
+        if model not in self._decoupled:
+            config = await self.router.model_config(model)
+            self._decoupled[model] = config.model_transaction_policy.decoupled
+        return self._decoupled[model]
+
+    async def stream_responses(
+        self, request: pb.ModelInferRequest, context: Any
+    ) -> AsyncIterator[pb.ModelInferResponse]:
+        """Every response to one request of a ModelStreamInfer stream."""
+        plan = self.ensembles.get(request.model_name)
+        if plan is not None and plan.streaming is not None:
+            outputs_stream = self.ensembles.stream(
+                plan,
+                wire_inputs(request),
+                self._step_call(plan, request, context),
+                self._step_stream(request, context),
+                self.tracer,
+            )
+            previous: pb.ModelInferResponse | None = None
+            async for outputs in outputs_stream:
+                if previous is not None:
+                    yield previous
+                previous = self._ensemble_response(plan, request, outputs)
+            if previous is not None:
+                previous.parameters[FINAL_PARAMETER].bool_param = True
+                yield previous
+            return
+        if plan is None and await self._is_decoupled(request.model_name):
+            async for response in relay(self.router, request, _deadline(context)):
+                yield response
+            return
+        yield await self.ModelInfer(request, context)
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> Any:
         if request.name:

@@ -59,6 +59,16 @@ class MeshServiceStub:
                 request_serializer=meshserve_dot_v1_dot_meshserve__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=meshserve_dot_v1_dot_meshserve__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/meshserve.v1.MeshService/Generate',
+                request_serializer=meshserve_dot_v1_dot_meshserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=meshserve_dot_v1_dot_meshserve__pb2.GenerateResponse.FromString,
+                _registered_method=True)
+        self.Chat = channel.unary_stream(
+                '/meshserve.v1.MeshService/Chat',
+                request_serializer=meshserve_dot_v1_dot_meshserve__pb2.ChatRequest.SerializeToString,
+                response_deserializer=meshserve_dot_v1_dot_meshserve__pb2.ChatResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/meshserve.v1.MeshService/Health',
                 request_serializer=meshserve_dot_v1_dot_meshserve__pb2.HealthRequest.SerializeToString,
@@ -104,6 +114,20 @@ class MeshServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """Generate text from a prompt, streamed as text deltas (SSE over HTTP).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Chat(self, request, context):
+        """Answer a chat conversation (the model's chat template applies), streamed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Mesh-wide health: the gateway's view of every stage. Per-process probes
         use grpc.health.v1 instead; this answers "can the mesh serve?".
@@ -139,6 +163,16 @@ def add_MeshServiceServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=meshserve_dot_v1_dot_meshserve__pb2.EmbedRequest.FromString,
                     response_serializer=meshserve_dot_v1_dot_meshserve__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=meshserve_dot_v1_dot_meshserve__pb2.GenerateRequest.FromString,
+                    response_serializer=meshserve_dot_v1_dot_meshserve__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Chat': grpc.unary_stream_rpc_method_handler(
+                    servicer.Chat,
+                    request_deserializer=meshserve_dot_v1_dot_meshserve__pb2.ChatRequest.FromString,
+                    response_serializer=meshserve_dot_v1_dot_meshserve__pb2.ChatResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -281,6 +315,60 @@ class MeshService:
             '/meshserve.v1.MeshService/Embed',
             meshserve_dot_v1_dot_meshserve__pb2.EmbedRequest.SerializeToString,
             meshserve_dot_v1_dot_meshserve__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/meshserve.v1.MeshService/Generate',
+            meshserve_dot_v1_dot_meshserve__pb2.GenerateRequest.SerializeToString,
+            meshserve_dot_v1_dot_meshserve__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/meshserve.v1.MeshService/Chat',
+            meshserve_dot_v1_dot_meshserve__pb2.ChatRequest.SerializeToString,
+            meshserve_dot_v1_dot_meshserve__pb2.ChatResponse.FromString,
             options,
             channel_credentials,
             insecure,
