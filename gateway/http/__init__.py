@@ -1,4 +1,4 @@
-"""KServe v2 REST (the Open Inference Protocol over HTTP) in front of the orchestrator.
+"""The HTTP adapter: KServe v2 REST and the OpenAI-compatible API, in front of the orchestrator.
 
 The request path, one module each::
 
@@ -7,6 +7,8 @@ The request path, one module each::
     rest.py       inference: JSON tensors / binary extension <-> ModelInferRequest
       json_tensors.py   JSON ``data`` <-> raw little-endian bytes, checked per datatype
     documents.py  everything else: v2 protos <-> the spec's JSON documents
+    openai.py     /v1/chat/completions, /v1/completions, /v1/models, /v1/embeddings
+      openai_documents.py  OpenAI JSON <-> meshserve.v1 Chat/Generate/Embed (pure)
       |
     upstream.py   the orchestrator over a small pool of grpc.aio channels
 

@@ -1,4 +1,4 @@
-"""The aiohttp application: KServe v2 REST routes over the orchestrator.
+"""The aiohttp application: KServe v2 REST and OpenAI routes over the orchestrator.
 
 Handlers are translation only (path -> proto request -> ``Upstream.call`` ->
 JSON document). One middleware does what every route shares: the server span
@@ -6,7 +6,9 @@ JSON document). One middleware does what every route shares: the server span
 request metrics, and errors: a ``MeshError`` answers with its class's
 ``http_status`` and ``{"error": message}``, an aiohttp HTTP error (unknown
 route, wrong method) with its own status, anything else with 500 and a
-generic message while the traceback goes to the log.
+generic message while the traceback goes to the log. Under ``/v1/`` (the
+OpenAI-compatible API, ``openai.py``) the same statuses carry OpenAI's error
+body, ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from gateway.http import documents, rest
+from gateway.http import documents, openai, rest
 from gateway.http.upstream import Upstream
 from inference import grpc_service_pb2 as pb
 from shared.errors import GENERIC_INTERNAL_MESSAGE, MeshError, Unavailable
@@ -76,7 +78,11 @@ def _json(document: Any, status: int = 200) -> web.Response:
     return web.json_response(document, status=status)
 
 
-def _error(status: int, message: str) -> web.Response:
+def _error(
+    request: web.Request, status: int, message: str, exc: BaseException | None = None
+) -> web.Response:
+    if request.path.startswith(openai.PREFIX):
+        return openai.error_response(status, message, exc)
     return _json({"error": message}, status)
 
 
@@ -95,12 +101,12 @@ async def _answer(request: web.Request, handler: Any, state: AdapterState) -> we
         response: web.StreamResponse = await handler(request)
         return response
     except MeshError as exc:
-        return _error(exc.http_status, exc.message)
+        return _error(request, exc.http_status, exc.message, exc)
     except web.HTTPException as exc:
-        return _error(exc.status, _http_message(request, exc))
+        return _error(request, exc.status, _http_message(request, exc))
     except Exception:
         log.exception("unexpected error in %s %s", request.method, request.path)
-        return _error(500, GENERIC_INTERNAL_MESSAGE)
+        return _error(request, 500, GENERIC_INTERNAL_MESSAGE)
 
 
 @web.middleware
@@ -249,7 +255,7 @@ async def infer(request: web.Request) -> web.Response:
 
 
 def build_app(state: AdapterState) -> web.Application:
-    """The routes of the KServe v2 REST API (with Triton's extensions)."""
+    """The routes of the KServe v2 REST API (with Triton's extensions) and the OpenAI API."""
     app = web.Application(middlewares=[front], client_max_size=state.max_body_bytes)
     app[STATE] = state
     model = "/v2/models/{name}"
@@ -268,4 +274,5 @@ def build_app(state: AdapterState) -> web.Application:
     app.router.add_post("/v2/repository/index", repository_index)
     app.router.add_post("/v2/repository/models/{name}/load", model_load)
     app.router.add_post("/v2/repository/models/{name}/unload", model_unload)
+    openai.OpenAIApi(openai.MeshClient(state.upstream), _read_body).add_routes(app.router)
     return app

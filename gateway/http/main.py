@@ -1,4 +1,4 @@
-"""The KServe v2 REST adapter process: HTTP/JSON in, KServe v2 gRPC to the orchestrator.
+"""The HTTP adapter process: KServe v2 REST and the OpenAI API in, gRPC to the orchestrator.
 
 ``python -m gateway.http.main --orchestrator 127.0.0.1:8001 --http-port 8007``
 
@@ -36,7 +36,7 @@ SERVICE = "http_adapter"
 
 
 class HttpAdapterConfig(ServiceConfig):
-    """Settings of the KServe v2 REST adapter."""
+    """Settings of the HTTP adapter (KServe v2 REST and OpenAI API)."""
 
     http_port: int = Field(8007, ge=0, le=65535)
     """HTTP port of the REST API; 0 picks a free one (printed on start)."""
@@ -78,10 +78,13 @@ async def serve(config: HttpAdapterConfig) -> None:
     )
     state = AdapterState(upstream, tracer, config.max_body_bytes)
     # auto_decompress off: rest.decode_body inflates with the body limit applied.
+    # handler_cancellation: a client that disconnects cancels its handler, and so
+    # its gRPC call (an abandoned LLM generation stops instead of running on).
     runner = web.AppRunner(
         build_app(state),
         access_log=None,
         auto_decompress=False,
+        handler_cancellation=True,
         shutdown_timeout=config.grace_period_s,
     )
     stop = asyncio.Event()

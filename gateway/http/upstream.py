@@ -19,8 +19,8 @@ from google.protobuf.message import Message
 from opentelemetry import trace
 
 from inference import grpc_service_pb2_grpc as pb_grpc
+from shared.channels import open_channels
 from shared.errors import error_for_status
-from shared.interceptors import client_interceptors
 
 
 class Upstream:
@@ -35,21 +35,9 @@ class Upstream:
         timeout_s: float,
         tracer: trace.Tracer,
     ) -> None:
-        options = [
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-            # Without a local pool, channels to one target share one connection.
-            ("grpc.use_local_subchannel_pool", 1),
-            ("grpc.keepalive_time_ms", 30_000),
-        ]
         self.target = target
         self.timeout_s = timeout_s
-        self._channels = [
-            grpc.aio.insecure_channel(
-                target, options=options, interceptors=client_interceptors(tracer)
-            )
-            for _ in range(channels)
-        ]
+        self._channels = open_channels(target, channels, max_message_bytes, tracer)
         self._stubs = [pb_grpc.GRPCInferenceServiceStub(c) for c in self._channels]  # type: ignore[no-untyped-call]
         self._next = itertools.cycle(range(channels))
 
@@ -64,6 +52,11 @@ class Upstream:
             if code == grpc.StatusCode.UNAVAILABLE:
                 details = f"orchestrator {self.target}: {details}"
             raise error_for_status(code, details) from exc
+
+    @property
+    def channels(self) -> list[grpc.aio.Channel]:
+        """The pool's channels (for stubs of other services on the orchestrator)."""
+        return list(self._channels)
 
     async def close(self) -> None:
         """Close every channel (calls still open are cancelled)."""

@@ -24,8 +24,8 @@ from opentelemetry import trace
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from inference import model_config_pb2 as mc
+from shared.channels import open_channels
 from shared.errors import InvalidArgument, NotFound, Unavailable, error_for_status
-from shared.interceptors import client_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -78,20 +78,7 @@ def open_endpoint(
     address: StageAddress, channels: int, max_message_bytes: int, tracer: trace.Tracer
 ) -> Endpoint:
     """Open ``channels`` HTTP/2 connections to one replica."""
-    options = [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        # Separate subchannels: without this, grpc shares one connection
-        # between channels to the same target, which caps throughput.
-        ("grpc.use_local_subchannel_pool", 1),
-        ("grpc.keepalive_time_ms", 30_000),
-    ]
-    opened = [
-        grpc.aio.insecure_channel(
-            address.target, options=options, interceptors=client_interceptors(tracer)
-        )
-        for _ in range(channels)
-    ]
+    opened = open_channels(address.target, channels, max_message_bytes, tracer)
     stubs = [pb_grpc.GRPCInferenceServiceStub(c) for c in opened]  # type: ignore[no-untyped-call]
     endpoint = Endpoint(address, stubs, opened)
     endpoint._next = itertools.cycle(range(channels))

@@ -1,0 +1,223 @@
+"""The OpenAI-compatible API (``/v1/...``) over the orchestrator's ``meshserve.v1.MeshService``.
+
+::
+
+    POST /v1/chat/completions -> MeshService.Chat      (stream of TextDelta)
+    POST /v1/completions      -> MeshService.Generate  (stream of TextDelta)
+    POST /v1/embeddings       -> MeshService.Embed
+    GET  /v1/models[/{model}] -> MeshService.ListModels (the ready pipelines)
+
+Translation lives in ``openai_documents``; this module is the aiohttp and
+gRPC side. Calls share the KServe v2 client's channels to the orchestrator,
+so they carry the same ``traceparent`` and deadline. Errors are rendered by
+the app's middleware, in OpenAI's shape for paths under ``/v1/``.
+
+Streams are SSE: ``data: {chunk}`` per text delta, ``data: [DONE]`` last.
+The first delta is awaited before the response starts, so errors the
+orchestrator raises up front (unknown model, prompt too long) keep their
+HTTP status; later ones arrive as a ``data: {"error": ...}`` event. When
+the client goes away, the gRPC call is cancelled and with it the generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from gateway.http.openai_documents import (
+    Generation,
+    chat_request,
+    completion_request,
+    embed_request,
+    embeddings_document,
+    error_document,
+    kind,
+    models_document,
+)
+from gateway.http.upstream import Upstream
+from meshserve.v1 import meshserve_pb2 as api
+from meshserve.v1 import meshserve_pb2_grpc as api_grpc
+from shared.errors import InvalidArgument, MeshError, NotFound, error_for_status
+
+PREFIX = "/v1/"
+"""Paths under this prefix answer errors in OpenAI's shape."""
+
+# Bodies up to this size are parsed on the event loop; larger ones in a thread.
+_INLINE_BYTES = 256 * 1024
+
+BodyReader = Callable[[web.Request], Awaitable[bytes]]
+
+
+class MeshClient:
+    """``meshserve.v1.MeshService`` over the adapter's channels to the orchestrator."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        # The KServe v2 client's pool: same connections, tracing interceptors and deadline.
+        self._upstream = upstream
+        stubs = [api_grpc.MeshServiceStub(c) for c in upstream.channels]  # type: ignore[no-untyped-call]
+        self._next = itertools.cycle(stubs)
+
+    def _failure(self, exc: grpc.aio.AioRpcError) -> MeshError:
+        code = exc.code()
+        details = exc.details() or code.name.lower()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            details = f"orchestrator {self._upstream.target}: {details}"
+        return error_for_status(code, details)
+
+    async def call(self, method: str, request: Any) -> Any:
+        """A unary ``MeshService/<method>``; a failure raises its MeshError."""
+        stub = next(self._next)
+        try:
+            return await getattr(stub, method)(request, timeout=self._upstream.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._failure(exc) from exc
+
+    async def deltas(self, method: str, request: Any) -> AsyncGenerator[api.TextDelta, None]:
+        """The TextDeltas of a streaming ``Chat`` or ``Generate``."""
+        call = getattr(next(self._next), method)(request, timeout=self._upstream.timeout_s)
+        try:
+            async for response in call:
+                yield response.delta
+        except grpc.aio.AioRpcError as exc:
+            raise self._failure(exc) from exc
+        finally:
+            # A no-op after the last delta; otherwise the client went away (or we
+            # failed), and cancelling the RPC makes the engine abort the generation.
+            call.cancel()
+
+
+async def _send(response: web.StreamResponse, document: Any) -> None:
+    await response.write(b"data: " + json.dumps(document).encode() + b"\n\n")
+
+
+async def _pump(
+    response: web.StreamResponse,
+    generation: Generation,
+    first: api.TextDelta,
+    rest: AsyncIterator[api.TextDelta],
+) -> None:
+    try:
+        if generation.chat:
+            await _send(response, generation.chunk(None))
+        for chunk in generation.chunks(first):
+            await _send(response, chunk)
+        async for delta in rest:
+            for chunk in generation.chunks(delta):
+                await _send(response, chunk)
+        if generation.include_usage:
+            await _send(response, generation.usage_chunk())
+    except MeshError as exc:
+        # The status line has gone out already: the error travels as an event.
+        await _send(response, error_document(exc.http_status, exc.message, exc))
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+
+
+async def _sse(
+    request: web.Request,
+    generation: Generation,
+    first: api.TextDelta,
+    rest: AsyncIterator[api.TextDelta],
+) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    # A write fails once the client has closed the connection; returning then
+    # closes ``rest``, which cancels the generation.
+    with contextlib.suppress(ConnectionResetError):
+        await _pump(response, generation, first, rest)
+    return response
+
+
+async def _collect(
+    generation: Generation, first: api.TextDelta, rest: AsyncIterator[api.TextDelta]
+) -> web.Response:
+    texts, finish = [first.text], generation.absorb(first)
+    async for delta in rest:
+        texts.append(delta.text)
+        finish = generation.absorb(delta) or finish
+    return web.json_response(generation.document("".join(texts), finish or "stop"))
+
+
+class OpenAIApi:
+    """The ``/v1`` route handlers: JSON body -> MeshService call -> OpenAI document."""
+
+    def __init__(self, mesh: MeshClient, read_body: BodyReader) -> None:
+        self.mesh = mesh
+        self._read_body = read_body
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        raw = await self._read_body(request)
+        try:
+            if len(raw) > _INLINE_BYTES:
+                body = await asyncio.to_thread(json.loads, raw)
+            else:
+                body = json.loads(raw)
+        except ValueError as exc:
+            raise InvalidArgument(f"the request body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise InvalidArgument(f"the request body must be a JSON object, got {kind(body)}")
+        return body
+
+    async def _generate(
+        self, request: web.Request, method: str, message: Any, generation: Generation
+    ) -> web.StreamResponse:
+        # Leaving this block (done, failed, or cancelled when the client
+        # disconnects) closes the stream, which cancels the RPC.
+        async with contextlib.aclosing(self.mesh.deltas(method, message)) as deltas:
+            # Errors raised before the first delta still get their own HTTP status.
+            first = await anext(deltas, api.TextDelta(finish_reason="stop"))
+            if generation.stream:
+                return await _sse(request, generation, first, deltas)
+            return await _collect(generation, first, deltas)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions."""
+        message, generation = chat_request(await self._body(request))
+        return await self._generate(request, "Chat", message, generation)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions."""
+        message, generation = completion_request(await self._body(request))
+        return await self._generate(request, "Generate", message, generation)
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """POST /v1/embeddings."""
+        message, encoding, dimensions = embed_request(await self._body(request))
+        answer = await self.mesh.call("Embed", message)
+        return web.json_response(embeddings_document(answer, encoding, dimensions))
+
+    async def models(self, request: web.Request) -> web.Response:
+        """GET /v1/models."""
+        answer = await self.mesh.call("ListModels", api.ListModelsRequest(ready_only=True))
+        return web.json_response(models_document(answer))
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model}."""
+        answer = await self.mesh.call("ListModels", api.ListModelsRequest(ready_only=True))
+        name = request.match_info["model"]
+        for model in models_document(answer)["data"]:
+            if model["id"] == name:
+                return web.json_response(model)
+        raise NotFound(f"model '{name}' is not served here")
+
+    def add_routes(self, router: web.UrlDispatcher) -> None:
+        """Mount the routes under /v1."""
+        router.add_post("/v1/chat/completions", self.chat_completions)
+        router.add_post("/v1/completions", self.completions)
+        router.add_post("/v1/embeddings", self.embeddings)
+        router.add_get("/v1/models", self.models)
+        router.add_get("/v1/models/{model}", self.model)
+
+
+def error_response(status: int, message: str, exc: BaseException | None = None) -> web.Response:
+    """An error in OpenAI's shape (for the app's middleware)."""
+    return web.json_response(error_document(status, message, exc), status=status)
