@@ -201,12 +201,16 @@ def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
             raise InvalidArgument(f"input {index} has no name")
         if tensor.name in arrays:
             raise InvalidArgument(f"input '{tensor.name}' appears more than once")
-        shape = list(tensor.shape)
-        if raw:
-            arrays[tensor.name] = decode_raw(tensor.name, tensor.datatype, shape, raw[index])
-        else:
-            arrays[tensor.name] = decode_typed(tensor.name, tensor.datatype, shape, tensor.contents)
+        arrays[tensor.name] = _decode_one(tensor, raw[index] if raw else None)
     return arrays
+
+
+def _decode_one(tensor: Any, raw: bytes | None) -> np.ndarray:
+    """One input or output tensor, from its raw bytes or else its typed contents."""
+    shape = list(tensor.shape)
+    if raw is not None:
+        return decode_raw(tensor.name, tensor.datatype, shape, raw)
+    return decode_typed(tensor.name, tensor.datatype, shape, tensor.contents)
 
 
 def encode_raw(array: np.ndarray) -> bytes:
@@ -242,14 +246,10 @@ def encode_inputs(request: pb.ModelInferRequest, inputs: Mapping[str, np.ndarray
 def decode_outputs(response: pb.ModelInferResponse) -> dict[str, np.ndarray]:
     """All output tensors of a response, by name (raw or typed)."""
     raw = response.raw_output_contents
-    arrays: dict[str, np.ndarray] = {}
-    for index, tensor in enumerate(response.outputs):
-        shape = list(tensor.shape)
-        if raw:
-            arrays[tensor.name] = decode_raw(tensor.name, tensor.datatype, shape, raw[index])
-        else:
-            arrays[tensor.name] = decode_typed(tensor.name, tensor.datatype, shape, tensor.contents)
-    return arrays
+    return {
+        tensor.name: _decode_one(tensor, raw[index] if raw else None)
+        for index, tensor in enumerate(response.outputs)
+    }
 
 
 def parameter_value(param: pb.InferParameter) -> Any:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +17,7 @@ from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.tensors import decode_outputs, encode_inputs
 from tests.conftest import build_repository
-from tests.harness import ROOT
+from tests.e2e.conftest import start_mesh, stop_mesh
 
 MESH = """
 defaults: { host: 127.0.0.1, grace_period_s: 3 }
@@ -36,39 +34,9 @@ def mesh(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], dict]]:  # typ
     repo = build_repository(tmp_path / "repo", ["add_sub"], [])
     config = tmp_path / "mesh.yaml"
     config.write_text(MESH)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "deploy.local.supervisor",
-            "--model-repository",
-            str(repo),
-            "--config",
-            str(config),
-            "--ports",
-            "auto",
-            "--grace-s",
-            "5",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert proc.stdout is not None
-    info: dict = {}  # type: ignore[type-arg]
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        line = proc.stdout.readline()
-        if line.startswith("MESHSERVE_MESH_READY"):
-            info = json.loads(line.split(" ", 1)[1])
-            break
-    assert info, "the mesh never became ready"
+    proc, info = start_mesh(repo, config, ["--grace-s", "5"])
     yield proc, info
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+    stop_mesh(proc)
 
 
 def add_request() -> pb.ModelInferRequest:
