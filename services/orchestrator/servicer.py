@@ -176,6 +176,7 @@ class OrchestratorServicer(BaseServicer):
             previous: pb.ModelInferResponse | None = None
             async for outputs in outputs_stream:
                 if previous is not None:
+                    previous.parameters[FINAL_PARAMETER].bool_param = False
                     yield previous
                 previous = self._ensemble_response(plan, request, outputs)
             if previous is not None:
@@ -186,7 +187,9 @@ class OrchestratorServicer(BaseServicer):
             async for response in relay(self.router, request, _deadline(context)):
                 yield response
             return
-        yield await self.ModelInfer(request, context)
+        response = await self.ModelInfer(request, context)
+        response.parameters[FINAL_PARAMETER].bool_param = True
+        yield response
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> Any:
         if request.name:

@@ -1,4 +1,4 @@
-"""The postprocess service: hosts ``classify`` and ``embedding_pool`` models.
+"""The postprocess service: hosts ``classify``, ``embedding_pool`` and ``detokenize`` models.
 
 ``python -m services.postprocess.main --model-repository DIR [--grpc-port N]``
 """
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from services.postprocess.classify import ClassifyBackend
+from services.postprocess.detokenize import DetokenizeBackend
 from services.postprocess.pool import EmbeddingPoolBackend
 from shared.backend import Backend
 from shared.stage import StageConfig, run_stage
@@ -24,8 +25,8 @@ class PostprocessConfig(StageConfig):
 
 
 def backends() -> dict[str, Backend]:
-    """The backends this service registers, by name (``detokenize`` joins them later)."""
-    return {b.name: b for b in (ClassifyBackend(), EmbeddingPoolBackend())}
+    """The backends this service registers, by name."""
+    return {b.name: b for b in (ClassifyBackend(), EmbeddingPoolBackend(), DetokenizeBackend())}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

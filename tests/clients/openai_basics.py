@@ -44,7 +44,7 @@ text_chunks = [
 texts = ["A man is playing a guitar.", "Someone plays an acoustic guitar."]
 floats = client.embeddings.create(model="text_embedding", input=texts, encoding_format="float")
 # The SDK asks for base64 by default and decodes it.
-default = client.embeddings.create(input=texts)
+default = client.embeddings.create(model="text_embedding", input=texts)
 
 print(
     json.dumps(

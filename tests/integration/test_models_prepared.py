@@ -263,7 +263,9 @@ def test_every_model_parses_with_the_repository_reader(repository: Path) -> None
     for name in reader.names():
         entry = reader.entry(name)
         assert entry.config.name == name
-        assert entry.config.max_batch_size == 64
+        # LLM steps do not batch here: vLLM batches continuously inside the engine.
+        llm = name in ("llm", "smollm2", "smollm2_tokenizer", "smollm2_detokenizer")
+        assert entry.config.max_batch_size == (0 if llm else 64), name
         assert entry.versions_on_disk == (1,)
         assert entry.selected_versions() == (1,)
         if name in HOSTS:

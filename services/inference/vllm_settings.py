@@ -1,0 +1,215 @@
+"""The vllm backend's settings: engine parameters (config) and sampling (per request).
+
+Both are validated here, before vLLM sees them, so that every error names the
+parameter or the SAMPLING field at fault. No vLLM import at module level: the
+conversions to vLLM's own objects import it when called.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from shared.backend import ModelSpec, parameter
+from shared.errors import ConfigError, InvalidArgument
+
+if TYPE_CHECKING:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+DType = Literal["auto", "bfloat16", "float16", "float32"]
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The model's engine parameters, validated once at load."""
+
+    max_model_len: int = 2048
+    """Prompt plus generated tokens per request; 2..1048576."""
+    max_num_seqs: int = 16
+    """Requests the engine runs at once (its batch); 1..4096."""
+    max_waiting: int = 64
+    """Requests admitted beyond max_num_seqs to wait; more are refused; 0..1000000."""
+    dtype: DType = "auto"
+    """bfloat16, float16, float32, or auto: the model's own, but float32 on a CPU
+    without native bfloat16 (no AVX512-BF16 or AMX), where bfloat16 runs emulated."""
+    enforce_eager: bool = True
+    """No torch.compile / CUDA graphs: starts much faster, runs somewhat slower."""
+    gpu_memory_utilization: float = 0.9
+    """GPU: share of device memory vLLM may take (weights + KV cache); 0.05..1."""
+    kv_cache_space_gib: float = 0.0
+    """KV cache size in GiB (CPU: needed; GPU: overrides gpu_memory_utilization); 0 = vLLM's."""
+    tensor_parallel_size: int = 1
+    """Devices one engine shards the model over; 1..64."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prompt prefixes (system prompts, chat history)."""
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec) -> EngineSettings:
+        """Read the config parameters; a bad value is a ConfigError naming it."""
+        try:
+            settings = cls(
+                **{f.name: parameter(spec, f.name, f.default, type(f.default)) for f in fields(cls)}
+            )
+        except InvalidArgument as exc:
+            raise ConfigError(str(exc)) from exc
+        bounds = {
+            "max_model_len": (2, 1 << 20),
+            "max_num_seqs": (1, 4096),
+            "max_waiting": (0, 1_000_000),
+            "gpu_memory_utilization": (0.05, 1.0),
+            "kv_cache_space_gib": (0.0, 4096.0),
+            "tensor_parallel_size": (1, 64),
+        }
+        for key, (low, high) in bounds.items():
+            if not low <= getattr(settings, key) <= high:
+                raise ConfigError(
+                    f"model '{spec.name}': parameter '{key}' must be in {low}..{high}"
+                )
+        if settings.dtype not in get_args(DType):
+            raise ConfigError(
+                f"model '{spec.name}': parameter 'dtype' must be auto, bfloat16, float16 or float32"
+            )
+        return settings
+
+    def engine_args(self, spec: ModelSpec) -> AsyncEngineArgs:
+        """vLLM's engine arguments for the model in ``spec.path``."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        return AsyncEngineArgs(
+            model=str(spec.path),
+            served_model_name=[spec.name],
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            dtype=_resolved_dtype(self.dtype),
+            enforce_eager=self.enforce_eager,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            # One size for CPU and GPU (on CPU, a VLLM_CPU_KVCACHE_SPACE in the
+            # environment still overrides it: vLLM's legacy setting).
+            kv_cache_memory_bytes=int(self.kv_cache_space_gib * GIB) or None,
+            tensor_parallel_size=self.tensor_parallel_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            # The stats go to our metrics (a custom stat logger), not to vLLM's log lines.
+            disable_log_stats=True,
+        )
+
+
+def _resolved_dtype(dtype: DType) -> DType:
+    """``auto`` made concrete where vLLM's own choice would be slow."""
+    from vllm.platforms import current_platform
+
+    if dtype != "auto" or not current_platform.is_cpu():
+        return dtype
+    import torch
+
+    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+        return dtype
+    # Measured on an AVX2-only host: a bfloat16 matmul ran 4x slower than float32.
+    log.info("this CPU has no native bfloat16: the engine runs in float32")
+    return "float32"
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "repetition_penalty")
+_INT_FIELDS = ("top_k", "max_tokens", "seed")
+_DETOKENIZER_FIELDS = ("stop",)  # stop strings: the detokenizer applies them
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to sample one request; the JSON in SAMPLING, checked field by field."""
+
+    temperature: float = 1.0
+    """0 is greedy; 0..2."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; (0, 1]."""
+    top_k: int = 0
+    """Sample among the k likeliest tokens; 0 (or -1): all."""
+    max_tokens: int | None = None
+    """Tokens to generate at most; None: up to max_model_len."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Ids that end generation (beside the model's end-of-sequence)."""
+    seed: int | None = None
+    """Per-request random seed, for reproducible sampling."""
+    repetition_penalty: float = 1.0
+    """> 1 discourages repeating tokens; > 0."""
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str) -> Sampling:
+        """Parse one SAMPLING element; errors name ``where`` and the field."""
+        try:
+            values = json.loads(raw)
+        except (ValueError, TypeError) as exc:  # UnicodeDecodeError and JSONDecodeError included
+            raise InvalidArgument(f"{where} is not valid JSON: {exc}") from exc
+        if not isinstance(values, dict):
+            raise InvalidArgument(f"{where} must be a JSON object")
+        known = {f.name for f in fields(cls)} | set(_DETOKENIZER_FIELDS)
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise InvalidArgument(f"{where}: unknown field(s) {unknown}; expected {sorted(known)}")
+        typed = {
+            key: _typed(key, value, f"{where}.{key}")
+            for key, value in values.items()
+            if value is not None and key not in _DETOKENIZER_FIELDS
+        }
+        sampling = cls(**typed)
+        sampling.check(where)
+        return sampling
+
+    def check(self, where: str) -> None:
+        """vLLM's ranges, enforced here so that the error names the field."""
+        rules = [
+            ("temperature", 0.0 <= self.temperature <= 2.0, "must be in 0..2"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", self.top_k >= -1, "must be 0 (all tokens) or at least 1"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1"),
+            ("repetition_penalty", self.repetition_penalty > 0.0, "must be greater than 0"),
+            ("stop_token_ids", all(i >= 0 for i in self.stop_token_ids), "must be token ids >= 0"),
+            ("seed", self.seed is None or -(1 << 63) <= self.seed < 1 << 63, "must fit in int64"),
+        ]
+        for name, ok, rule in rules:
+            if not ok:
+                raise InvalidArgument(f"{where}.{name} {rule}, got {getattr(self, name)!r}")
+
+    def params(self, where: str) -> Any:
+        """vLLM SamplingParams: ids only, streamed as deltas."""
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import RequestOutputKind
+
+        try:
+            return SamplingParams(
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                max_tokens=self.max_tokens,
+                stop_token_ids=list(self.stop_token_ids),
+                seed=self.seed,
+                repetition_penalty=self.repetition_penalty,
+                detokenize=False,
+                output_kind=RequestOutputKind.DELTA,
+            )
+        except (VLLMClientError, ValueError) as exc:  # a rule vLLM has and check() lacks
+            raise InvalidArgument(f"{where}: {exc}") from exc
+
+
+def _typed(key: str, value: Any, where: str) -> Any:
+    """``value`` as the field's type; JSON booleans are not numbers here."""
+    if key in _FLOAT_FIELDS:
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or not math.isfinite(value):
+            raise InvalidArgument(f"{where} must be a finite number, got {value!r}")
+        return float(value)
+    if key in _INT_FIELDS:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidArgument(f"{where} must be an integer, got {value!r}")
+        return value
+    if not isinstance(value, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in value
+    ):
+        raise InvalidArgument(f"{where} must be a list of integers, got {value!r}")
+    return tuple(value)

@@ -1,0 +1,238 @@
+"""The ``detokenize`` backend: an LLM's token ids -> text deltas, without state.
+
+Each response of a decoupled LLM carries every id generated so far
+(``OUTPUT_IDS``) and how many of them are new (``NEW_TOKENS``); the text a
+response adds is computed from those alone, so any replica can answer any
+response of any stream::
+
+    visible(ids)  decode (tokenizers, special tokens skipped); cut at the first stop
+                  string; unless final, hold back a trailing incomplete UTF-8
+                  sequence (U+FFFD) and a tail that may be the start of a stop string
+    delta         visible(all ids) minus visible(ids without the new ones)
+
+Decoding from the first id each time keeps merged tokens and multi-byte
+characters right (a character split over two tokens appears once both are
+there). The final response (``ENGINE_FINISH`` non-empty) holds nothing back.
+
+Tensors (``max_batch_size`` 0, or batched with one row per request row):
+inputs ``OUTPUT_IDS`` INT64 [-1], ``NEW_TOKENS`` INT32 [1], ``ENGINE_FINISH``
+BYTES [1] and optional ``SAMPLING`` BYTES [1] (JSON; its ``stop`` strings are
+used, other fields belong to the engine); outputs ``TEXT_DELTA`` BYTES [1] and
+``FINISH_REASON`` BYTES [1]: "stop" when a stop string was reached (the text
+before it is the last delta), else ``ENGINE_FINISH``. A non-empty reason tells
+the orchestrator to end the stream and cancel the generation.
+
+Config parameter: ``skip_special_tokens`` (default true).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from inference import model_config_pb2 as mc
+from shared.backend import InstanceSpec, ModelSpec, parameter
+from shared.errors import ConfigError, InvalidArgument
+from shared.request import InferRequest, InferResponse
+
+OUTPUT_IDS = "OUTPUT_IDS"
+NEW_TOKENS = "NEW_TOKENS"
+ENGINE_FINISH = "ENGINE_FINISH"
+SAMPLING = "SAMPLING"
+TEXT_DELTA = "TEXT_DELTA"
+FINISH_REASON = "FINISH_REASON"
+STOPPED = "stop"
+
+_INPUTS = {
+    OUTPUT_IDS: (mc.TYPE_INT64, [-1]),
+    NEW_TOKENS: (mc.TYPE_INT32, [1]),
+    ENGINE_FINISH: (mc.TYPE_STRING, [1]),
+    SAMPLING: (mc.TYPE_STRING, [1]),
+}
+_OUTPUTS = {TEXT_DELTA: (mc.TYPE_STRING, [1]), FINISH_REASON: (mc.TYPE_STRING, [1])}
+_INCOMPLETE = "\ufffd"  # what decoding makes of a UTF-8 sequence cut short
+
+
+class IncrementalDecoder:
+    """Text deltas of a growing id sequence, computed from the ids alone."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+
+    def delta(
+        self, ids: Sequence[int], new: int, engine_finish: str, stops: Sequence[str] = ()
+    ) -> tuple[str, str]:
+        """The text the last ``new`` ids add, and the finish reason ("" while running)."""
+        final = bool(engine_finish)
+        before, _ = self.visible(ids[: len(ids) - new], stops, final=False)
+        after, stopped = self.visible(ids, stops, final)
+        # `after` extends `before` unless decoding is not prefix-stable (rare
+        # normalisers): then send what differs after the common part.
+        start = len(before) if after.startswith(before) else _common_prefix(before, after)
+        return after[start:], STOPPED if stopped else engine_finish
+
+    def visible(self, ids: Sequence[int], stops: Sequence[str], final: bool) -> tuple[str, bool]:
+        """The text of ``ids`` that may be shown now, and whether a stop string ended it."""
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
+        cut = _first_stop(text, stops)
+        if cut is not None:
+            return text[:cut], True
+        if final:
+            return text, False
+        text = text.rstrip(_INCOMPLETE)
+        return text[: len(text) - _stop_prefix_length(text, stops)], False
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> int | None:
+    found = [index for index in (text.find(stop) for stop in stops) if index >= 0]
+    return min(found) if found else None
+
+
+def _stop_prefix_length(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that a stop string starts with."""
+    longest = 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:length]):
+                longest = length
+                break
+    return longest
+
+
+def _common_prefix(a: str, b: str) -> int:
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return index
+    return min(len(a), len(b))
+
+
+def stop_strings(raw: Any, where: str) -> list[str]:
+    """The ``stop`` strings of one SAMPLING element (JSON object); [] when absent."""
+    try:
+        sampling = json.loads(raw)
+    except (ValueError, TypeError) as exc:  # UnicodeDecodeError and JSONDecodeError included
+        raise InvalidArgument(f"{where} is not valid JSON: {exc}") from exc
+    if not isinstance(sampling, dict):
+        raise InvalidArgument(f"{where} must be a JSON object")
+    stop = sampling.get("stop", [])
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise InvalidArgument(f"{where}.stop must be a non-empty string or a list of them")
+    return stops
+
+
+class DetokenizeInstance:
+    """One tokenizer; every request row is decoded on its own."""
+
+    def __init__(self, spec: ModelSpec, instance: InstanceSpec) -> None:
+        self.spec = spec
+        _check_tensors(spec)
+        try:
+            skip = parameter(spec, "skip_special_tokens", True, bool)
+        except InvalidArgument as exc:
+            raise ConfigError(str(exc)) from exc
+        path = spec.model_file("tokenizer.json")
+        if not path.is_file():
+            raise ConfigError(
+                f"model '{spec.name}' version {spec.version}: no {path.name} in {spec.path}"
+            )
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust side raises plain Exception
+            raise ConfigError(f"{path}: not a tokenizers file: {exc}") from exc
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.decoder = IncrementalDecoder(tokenizer, skip)
+
+    def execute(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
+        """Decode each request (a bad one fails alone)."""
+        results: list[InferResponse | Exception] = []
+        for request in requests:
+            try:
+                results.append(self._one(request))
+            except InvalidArgument as exc:
+                results.append(exc)
+        return results
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def _one(self, request: InferRequest) -> InferResponse:
+        where = f"model '{self.spec.name}'"
+        ids = request.inputs[OUTPUT_IDS]
+        rows = ids.reshape(int(np.prod(ids.shape[:-1])), ids.shape[-1])  # [n] -> [1, n]
+        shape = request.inputs[NEW_TOKENS].shape
+        new = request.inputs[NEW_TOKENS].reshape(-1)
+        finish = request.inputs[ENGINE_FINISH].reshape(-1)
+        sampling = request.inputs.get(SAMPLING)
+        samplings = sampling.reshape(-1) if sampling is not None else [b"{}"] * len(new)
+        if not len(rows) == len(new) == len(finish) == len(samplings):
+            raise InvalidArgument(
+                f"{where}: {OUTPUT_IDS}, {NEW_TOKENS}, {ENGINE_FINISH} and {SAMPLING} "
+                "must have the same number of rows"
+            )
+        texts, reasons = [], []
+        for row in range(len(new)):
+            label = f"{where}: row {row}" if len(new) > 1 else where
+            text, reason = self._row(rows[row], int(new[row]), finish[row], samplings[row], label)
+            texts.append(text.encode())
+            reasons.append(reason.encode())
+        return InferResponse(
+            outputs={
+                TEXT_DELTA: np.array(texts, dtype=object).reshape(shape),
+                FINISH_REASON: np.array(reasons, dtype=object).reshape(shape),
+            }
+        )
+
+    def _row(
+        self, ids: np.ndarray, new: int, finish: Any, sampling: Any, where: str
+    ) -> tuple[str, str]:
+        if not 0 <= new <= len(ids):
+            raise InvalidArgument(
+                f"{where}: {NEW_TOKENS} = {new} is outside 0..{len(ids)} (the {OUTPUT_IDS} sent)"
+            )
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            raise InvalidArgument(
+                f"{where}: {OUTPUT_IDS} holds ids outside the vocabulary 0..{self.vocab_size - 1}"
+            )
+        try:
+            engine_finish = bytes(finish).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidArgument(f"{where}: {ENGINE_FINISH} is not UTF-8") from exc
+        stops = stop_strings(sampling, f"{where}: {SAMPLING}")
+        return self.decoder.delta(ids.tolist(), new, engine_finish, stops)
+
+
+def _check_tensors(spec: ModelSpec) -> None:
+    where = f"model '{spec.name}'"
+    for kind, tensors, expected in (
+        ("input", spec.config.input, _INPUTS),
+        ("output", spec.config.output, _OUTPUTS),
+    ):
+        declared = {tensor.name: tensor for tensor in tensors}
+        required = set(expected) - {SAMPLING}
+        if not required <= set(declared) <= set(expected):
+            raise ConfigError(
+                f"{where}: {kind}s must be {sorted(required)}"
+                + (f" and optionally {SAMPLING}" if kind == "input" else "")
+                + f", got {sorted(declared)}"
+            )
+        for name, tensor in declared.items():
+            data_type, dims = expected[name]
+            if tensor.data_type != data_type or list(tensor.dims) != dims:
+                type_name = mc.DataType.Name(data_type)
+                raise ConfigError(f"{where}: {kind} '{name}' must be {type_name} with dims {dims}")
+
+
+class DetokenizeBackend:
+    """Creates DetokenizeInstance objects."""
+
+    name = "detokenize"
+
+    def create_instance(self, model: ModelSpec, instance: InstanceSpec) -> DetokenizeInstance:
+        """Load the tokenizer (in the instance's own thread)."""
+        return DetokenizeInstance(model, instance)

@@ -1,0 +1,269 @@
+"""The OpenAI-compatible API through Envoy, driven by the official openai SDK.
+
+The SDK runs in child processes (tests/clients/openai_*.py) like every other
+client of these tests; raw HTTP checks (error bodies, the SSE framing) use
+urllib from here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+from email.message import Message
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.harness import run_client
+
+pytestmark = pytest.mark.e2e
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "What is the capital of Japan?",
+    "What is the capital of Italy?",
+    "What is the capital of Germany?",
+    "What is the capital of Spain?",
+    "What is the capital of England?",
+    "What is the capital of Russia?",
+    "What is the capital of Egypt?",
+    "What color is the sky on a clear day?",
+    "How many days are in a week?",
+    "What do bees make?",
+    "What is the opposite of hot?",
+    "What animal says moo?",
+    "What is 2 + 2?",
+    "What is frozen water called?",
+    "Which planet do we live on?",
+]
+# Each answer must speak of its own question's subject (or give the right
+# answer): a 135M model is not always right, but a crossed stream would show.
+EXPECTED = [
+    "paris|france",
+    "tokyo|japan",
+    "rome|ital",
+    "berlin|german",
+    "madrid|spain",
+    "london|england",
+    "moscow|russia",
+    "cairo|egypt",
+    "blue|sky",
+    "seven|7|week|day",
+    "honey|bee",
+    "cold|hot",
+    "cow|moo|animal",
+    "4|four|2",
+    "ice|water|frozen",
+    "earth|planet",
+]
+
+
+@pytest.fixture(scope="module")
+def base_url(mesh: dict[str, Any]) -> str:
+    return f"http://{mesh['processes']['envoy']['grpc']}/v1"
+
+
+@pytest.fixture(scope="module")
+def basics(base_url: str) -> dict[str, Any]:
+    result: dict[str, Any] = run_client("openai_basics.py", base_url)
+    return result
+
+
+def post(url: str, body: Any) -> tuple[int, Message, bytes]:
+    """POST JSON (or raw bytes); the status, the headers (case-insensitive), the body."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.headers, response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers, err.read()
+
+
+def test_chat_completion_answers_paris(basics: dict[str, Any]) -> None:
+    chat = basics["chat"]
+    assert chat["object"] == "chat.completion" and chat["id"].startswith("chatcmpl-")
+    assert chat["model"] == "llm"
+    (choice,) = chat["choices"]
+    assert choice["message"]["role"] == "assistant"
+    assert "Paris" in choice["message"]["content"]
+    assert choice["finish_reason"] in ("stop", "length")
+    usage = chat["usage"]
+    assert usage["prompt_tokens"] > 5 and 0 < usage["completion_tokens"] <= 32
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert "Paris" in basics["parts_chat"]["choices"][0]["message"]["content"]
+
+
+def test_chat_stream_chunks_in_openai_order(basics: dict[str, Any]) -> None:
+    chunks = basics["chunks"]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in chunks}) == 1
+    first, *middle, finish, usage = chunks
+    assert first["choices"][0]["delta"]["role"] == "assistant"
+    assert first["choices"][0]["delta"]["content"] == ""
+    text = "".join(c["choices"][0]["delta"]["content"] or "" for c in middle)
+    # Greedy: the stream says what the whole answer said.
+    assert text == basics["chat"]["choices"][0]["message"]["content"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in [first, *middle])
+    assert finish["choices"][0]["finish_reason"] in ("stop", "length")
+    assert not finish["choices"][0]["delta"]["content"]
+    assert all(c["usage"] is None for c in [first, *middle, finish])
+    assert usage["choices"] == []
+    assert usage["usage"] == basics["chat"]["usage"]
+
+
+def test_text_completion_whole_and_streamed(basics: dict[str, Any]) -> None:
+    completion = basics["completion"]
+    assert completion["object"] == "text_completion" and completion["id"].startswith("cmpl-")
+    text = completion["choices"][0]["text"]
+    assert "Paris" in text
+    streamed = basics["text_chunks"]
+    assert "".join(c["choices"][0]["text"] for c in streamed) == text
+    assert streamed[-1]["choices"][0]["finish_reason"] == completion["choices"][0]["finish_reason"]
+
+
+def test_models_and_embeddings(basics: dict[str, Any]) -> None:
+    models = {m["id"]: m for m in basics["models"]}
+    assert {"llm", "text_embedding"} <= set(models)
+    assert models["llm"]["owned_by"] == "meshserve" and models["llm"]["object"] == "model"
+
+    embeddings = basics["embeddings"]
+    assert embeddings["object"] == "list" and embeddings["model"] == "text_embedding"
+    assert [d["index"] for d in embeddings["data"]] == [0, 1]
+    first, second = (np.array(d["embedding"]) for d in embeddings["data"])
+    assert first.shape == (384,)
+    assert float(np.linalg.norm(first)) == pytest.approx(1.0, abs=1e-3)
+    assert float(first @ second) >= 0.5
+    decoded = [np.array(d["embedding"]) for d in basics["embeddings_base64"]["data"]]
+    np.testing.assert_allclose(decoded[0], first, rtol=1e-6)
+
+
+def test_sixteen_concurrent_streams_each_answer_their_question(base_url: str) -> None:
+    answers = run_client("openai_concurrent.py", base_url, QUESTIONS)
+    assert len(answers) == 16
+    for question, expected, answer in zip(QUESTIONS, EXPECTED, answers, strict=True):
+        assert answer["ids"] == 1 and answer["finish"] in ("stop", "length"), answer
+        assert re.search(expected, answer["text"].lower()), (question, answer["text"])
+    assert len({a["text"] for a in answers}) == 16
+
+
+def _error_body(raw: bytes) -> dict[str, Any]:
+    error: dict[str, Any] = json.loads(raw)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    return error
+
+
+def test_bad_requests_through_the_sdk(base_url: str) -> None:
+    results = run_client("openai_errors.py", base_url)
+    expected = {
+        "negative_max_tokens": ("BadRequestError", 400, "max_tokens"),
+        "unknown_model": ("NotFoundError", 404, None),
+        "too_long": ("BadRequestError", 400, None),
+        "too_long_stream": ("BadRequestError", 400, None),
+        "malformed_messages": ("BadRequestError", 400, "messages[0].role"),
+        "n_2": ("BadRequestError", 400, "n"),
+        "token_prompt": ("BadRequestError", 400, "prompt"),
+        "token_embeddings": ("BadRequestError", 400, "input"),
+        "unknown_embedder": ("NotFoundError", 404, None),
+    }
+    for case, (cls, status, param) in expected.items():
+        got = results[case]
+        assert (got["class"], got["status"]) == (cls, status), (case, got)
+        assert got["body"]["type"] == (
+            "not_found_error" if status == 404 else "invalid_request_error"
+        )
+        if param is not None:
+            assert got["body"]["param"] == param, (case, got)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5},
+            400,
+            "max_tokens",
+        ),
+        (
+            "chat/completions",
+            {"model": "ghost", "messages": [{"role": "user", "content": "hi"}]},
+            404,
+            None,
+        ),
+        ("chat/completions", {"messages": "hi"}, 400, "messages"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x " * 3000}]}, 400, None),
+        ("chat/completions", b"{not json", 400, None),
+        ("completions", {"prompt": "hi", "temperature": "warm"}, 400, "temperature"),
+        ("embeddings", {"input": [1, 2, 3]}, 400, "input"),
+        ("no/such/route", {}, 404, None),
+    ],
+)
+def test_raw_http_errors_are_openai_json(
+    base_url: str, path: str, body: Any, status: int, param: str | None
+) -> None:
+    got, headers, raw = post(f"{base_url}/{path}", body)
+    assert got == status, raw
+    assert headers["Content-Type"].startswith("application/json")
+    error = _error_body(raw)
+    assert error["param"] == param
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+def test_raw_sse_framing(base_url: str) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0,
+        "max_tokens": 16,
+        "stream": True,
+    }
+    status, headers, raw = post(f"{base_url}/chat/completions", body)
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = raw.decode().split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert "Paris" in "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+
+
+def _llm_metrics(metrics_port: int) -> dict[str, float]:
+    """The inference service's ``meshserve_llm_*`` samples, summed over labels but
+    ``finish_reason`` (kept as ``name[reason]``)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r"(meshserve_llm_\w+)(\{[^}]*\})? (\S+)$", line)
+        if match:
+            reason = re.search(r'finish_reason="(\w+)"', match[2] or "")
+            name = f"{match[1]}[{reason[1]}]" if reason else match[1]
+            samples[name] = samples.get(name, 0.0) + float(match[3])
+    return samples
+
+
+def _in_engine(samples: dict[str, float]) -> float:
+    names = ("running", "waiting", "unfinished")
+    return sum(samples[f"meshserve_llm_requests_{n}"] for n in names)
+
+
+def test_closing_a_stream_aborts_the_generation(base_url: str, mesh: dict[str, Any]) -> None:
+    metrics_port = mesh["processes"]["inference-0"]["metrics_port"]
+    assert metrics_port > 0
+    aborted = "meshserve_llm_requests_finished_total[abort]"
+    before = _llm_metrics(metrics_port).get(aborted, 0.0)
+    result = run_client("openai_cancel.py", base_url, 5)
+    assert result == {"read": 5, "finish": None}
+    # The engine drops the request: counted as aborted, nothing left running or waiting.
+    deadline = time.monotonic() + 15
+    while (samples := _llm_metrics(metrics_port)).get(aborted, 0.0) <= before or _in_engine(
+        samples
+    ):
+        assert time.monotonic() < deadline, f"the generation was not aborted: {samples}"
+        time.sleep(0.2)

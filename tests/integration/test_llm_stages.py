@@ -1,0 +1,320 @@
+"""SmolLM2 streamed by the inference service's vLLM engine (a decoupled model).
+
+One inference service hosts ``smollm2`` for the whole module (an engine takes
+tens of seconds to start); a tokenizer service hosts ``smollm2_tokenizer``.
+Streams go through our own grpc.aio stubs and, in a child process, through
+tritonclient. What a user would notice: the answer streams token by token and
+is right (Paris), concurrent streams keep their own text, a cancelled stream
+stops the generation inside vLLM, bad requests name their field, and ModelInfer
+on a decoupled model says to use ModelStreamInfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from inference import grpc_service_pb2 as pb
+from inference import grpc_service_pb2_grpc as pb_grpc
+from models.prepare import prepare_repository
+from services.postprocess.detokenize import IncrementalDecoder
+from shared.tensors import decode_outputs, encode_inputs
+from tests.conftest import build_repository, cache_dir
+from tests.harness import ServiceProcess, run_client
+
+MODEL = "smollm2"
+TOKENIZER = "smollm2_tokenizer"
+MAX_MODEL_LEN = 2048
+# Questions this small model answers right; each answer names its own capital,
+# so streams that crossed would show.
+CAPITALS = {
+    "France": "Paris",
+    "Japan": "Tokyo",
+    "Germany": "Berlin",
+    "England": "London",
+    "Russia": "Moscow",
+    "Egypt": "Cairo",
+    "China": "Beijing",
+    "Canada": "Ottawa",
+    "Greece": "Athens",
+    "Ireland": "Dublin",
+    "Austria": "Vienna",
+    "Sweden": "Stockholm",
+    "Norway": "Oslo",
+    "Poland": "Warsaw",
+    "Kenya": "Nairobi",
+    "Peru": "Lima",
+}
+STORY = "Write a very long story about a dragon who learns to bake bread."
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    prepared = prepare_repository(cache_dir(), models=[MODEL, TOKENIZER], echo=lambda _: None)
+    return build_repository(tmp_path_factory.mktemp("llm-repo"), [], [MODEL, TOKENIZER], prepared)
+
+
+@pytest.fixture(scope="module")
+def services(repo: Path) -> Iterator[dict[str, ServiceProcess]]:
+    """The inference and tokenizer services, started side by side."""
+    cache = cache_dir()
+    engine_env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CACHE_ROOT": str(cache / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "torchinductor"),
+    }
+    args = ["--model-repository", str(repo), "--metrics-port", "0"]
+    with ThreadPoolExecutor(2) as pool:
+        starting = {
+            "inference": pool.submit(
+                ServiceProcess, "services.inference.main", args, engine_env, 300.0
+            ),
+            "tokenizer": pool.submit(ServiceProcess, "services.tokenizer.main", args),
+        }
+        started = {name: future.result() for name, future in starting.items()}
+    yield started
+    for process in started.values():
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def address(services: dict[str, ServiceProcess]) -> str:
+    return services["inference"].address
+
+
+@pytest.fixture(scope="module")
+def tokenizer(repo: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(repo / TOKENIZER / "1" / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def chat_ids(repo: Path, tokenizer: Tokenizer) -> Any:
+    """Question -> prompt ids, the chat template rendered as transformers renders it."""
+    config = json.loads((repo / TOKENIZER / "1" / "tokenizer_config.json").read_text())
+    template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
+        config["chat_template"]
+    )
+
+    def encode(question: str) -> list[int]:
+        text = template.render(
+            messages=[{"role": "user", "content": question}], add_generation_prompt=True
+        )
+        ids: list[int] = tokenizer.encode(text, add_special_tokens=False).ids
+        return ids
+
+    return encode
+
+
+def request(
+    ids: list[int] | np.ndarray, sampling: dict[str, Any] | bytes | None, request_id: str = ""
+) -> pb.ModelInferRequest:
+    inputs: dict[str, np.ndarray] = {"INPUT_IDS": np.asarray(ids, dtype=np.int64)}
+    if sampling is not None:
+        raw = sampling if isinstance(sampling, bytes) else json.dumps(sampling).encode()
+        inputs["SAMPLING"] = np.array([raw], dtype=object)
+    message = pb.ModelInferRequest(model_name=MODEL, id=request_id)
+    encode_inputs(message, inputs)
+    return message
+
+
+async def stream_all(
+    address: str, requests: list[pb.ModelInferRequest]
+) -> list[pb.ModelStreamInferResponse]:
+    """Send ``requests`` on one stream; every response until each request is done."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+            iter(requests), timeout=240
+        )
+        return [message async for message in call]
+
+
+def is_final(message: pb.ModelStreamInferResponse) -> bool:
+    return message.infer_response.parameters["triton_final_response"].bool_param
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(service: ServiceProcess) -> Samples:
+    """The service's metrics: (name, labels) -> value."""
+    url = f"http://127.0.0.1:{service.info['metrics_port']}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    samples: Samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            name, _, labels = series.partition("{")
+            pairs = re.findall(r'(\w+)="([^"]*)"', labels)
+            samples[name, frozenset(pairs)] = float(value)
+    return samples
+
+
+def llm_metric(samples: Samples, name: str, **labels: str) -> float:
+    wanted = frozenset({"model": MODEL, "version": "1", **labels}.items())
+    return samples.get((f"meshserve_llm_{name}", wanted), 0.0)
+
+
+def test_tokenizer_stage_renders_the_chat_like_transformers(
+    services: dict[str, ServiceProcess], chat_ids: Any
+) -> None:
+    chat = json.dumps([{"role": "user", "content": "What is the capital of France?"}])
+    message = pb.ModelInferRequest(model_name=TOKENIZER)
+    encode_inputs(message, {"MESSAGES": np.array([chat.encode()], dtype=object)})
+    with grpc.insecure_channel(services["tokenizer"].address) as channel:
+        response = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(message, timeout=60)
+    ids = decode_outputs(response)["input_ids"]
+    assert ids.tolist() == chat_ids("What is the capital of France?")  # [n]: no padding
+
+
+def test_greedy_chat_streams_token_deltas_ending_in_paris(
+    address: str, chat_ids: Any, tokenizer: Tokenizer
+) -> None:
+    prompt = chat_ids("What is the capital of France?")
+    sampling = {"temperature": 0, "max_tokens": 24}
+    messages = asyncio.run(stream_all(address, [request(prompt, sampling, "france")]))
+    assert [m.error_message for m in messages] == [""] * len(messages)
+    outputs = [decode_outputs(m.infer_response) for m in messages]
+    assert len(outputs) >= 3  # streamed, not answered at once
+    assert [is_final(m) for m in messages] == [False] * (len(messages) - 1) + [True]
+    assert {m.infer_response.id for m in messages} == {"france"}
+    decoder, text, previous = IncrementalDecoder(tokenizer), "", []
+    for out in outputs:
+        ids, new = out["OUTPUT_IDS"].tolist(), int(out["NEW_TOKENS"][0])
+        assert ids[: len(previous)] == previous and len(ids) == len(previous) + new
+        assert out["COMPLETION_TOKENS"].tolist() == [len(ids)]
+        assert out["PROMPT_TOKENS"].tolist() == [len(prompt)]
+        text += decoder.delta(ids, new, out["ENGINE_FINISH"][0].decode())[0]
+        previous = ids
+    assert [out["ENGINE_FINISH"][0] for out in outputs[:-1]] == [b""] * (len(outputs) - 1)
+    assert outputs[-1]["ENGINE_FINISH"].tolist() == [b"stop"]
+    assert text == tokenizer.decode(previous, skip_special_tokens=True)
+    assert "Paris" in text
+
+
+async def _answer(address: str, ids: list[int]) -> list[pb.ModelStreamInferResponse]:
+    return await stream_all(address, [request(ids, {"temperature": 0, "max_tokens": 20})])
+
+
+def test_sixteen_concurrent_streams_each_answer_their_own_question(
+    address: str, chat_ids: Any, tokenizer: Tokenizer
+) -> None:
+    questions = [f"What is the capital of {country}?" for country in CAPITALS]
+
+    async def everyone() -> list[list[pb.ModelStreamInferResponse]]:
+        return await asyncio.gather(*(_answer(address, chat_ids(q)) for q in questions))
+
+    started = time.monotonic()
+    results = asyncio.run(everyone())
+    elapsed = time.monotonic() - started
+    generated = 0
+    for (country, capital), messages in zip(CAPITALS.items(), results, strict=True):
+        assert is_final(messages[-1]), country
+        ids = decode_outputs(messages[-1].infer_response)["OUTPUT_IDS"].tolist()
+        generated += len(ids)
+        answer = tokenizer.decode(ids, skip_special_tokens=True)
+        assert capital in answer, (country, answer)
+        others = [city for city in CAPITALS.values() if city != capital and city in answer]
+        assert not others, (country, answer)
+    print(f"16 streams: {generated} tokens in {elapsed:.1f} s = {generated / elapsed:.0f} tok/s")
+
+
+async def _cancel_after(address: str, ids: list[int], responses: int) -> int:
+    """Open a long generation, read ``responses`` responses, then cancel the RPC."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+            iter([request(ids, {"temperature": 0.8, "seed": 7, "max_tokens": 1500})]), timeout=240
+        )
+        seen = 0
+        async for _ in call:
+            seen += 1
+            if seen == responses:
+                call.cancel()
+                break
+        return seen
+
+
+def test_cancelling_a_stream_aborts_the_generation_in_vllm(
+    services: dict[str, ServiceProcess], chat_ids: Any
+) -> None:
+    service = services["inference"]
+    aborted_before = llm_metric(scrape(service), "requests_finished_total", finish_reason="abort")
+    assert asyncio.run(_cancel_after(service.address, chat_ids(STORY), 3)) == 3
+    names = ("requests_running", "requests_waiting", "requests_unfinished")
+    deadline = time.monotonic() + 15
+    while True:  # the abort completes on the server a moment after the cancel
+        samples = scrape(service)
+        busy = {name: llm_metric(samples, name) for name in names}
+        aborted = llm_metric(samples, "requests_finished_total", finish_reason="abort")
+        if (aborted > aborted_before and not any(busy.values())) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert busy == dict.fromkeys(names, 0.0)
+    assert aborted == aborted_before + 1
+    assert llm_metric(samples, "time_to_first_token_seconds_count") >= 1
+    assert llm_metric(samples, "generation_tokens_total") >= 3
+
+
+BAD_REQUESTS = [
+    ("bad-max-tokens", {"max_tokens": -5}, "max_tokens"),
+    ("bad-temperature", {"temperature": -0.5}, "temperature"),
+    ("bad-json", b'{"max_tokens": 8', "SAMPLING"),
+    ("bad-field", {"max_token": 8}, "max_token"),
+]
+
+
+def test_bad_requests_fail_alone_naming_the_field(address: str, chat_ids: Any) -> None:
+    prompt = chat_ids("What is 2 + 2?")
+    requests = [request(prompt, {"temperature": 0, "max_tokens": 4}, "good")]
+    requests += [request(prompt, sampling, rid) for rid, sampling, _ in BAD_REQUESTS]
+    requests.append(request(np.ones(MAX_MODEL_LEN + 1, np.int64), None, "bad-long-prompt"))
+    messages = asyncio.run(stream_all(address, requests))
+    errors = {m.infer_response.id: m for m in messages if m.error_message}
+    expected = {rid: field for rid, _, field in BAD_REQUESTS} | {"bad-long-prompt": "INPUT_IDS"}
+    assert set(errors) == set(expected)
+    for rid, field in expected.items():
+        assert field in errors[rid].error_message, errors[rid].error_message
+        code = errors[rid].infer_response.parameters["meshserve_status_code"].int64_param
+        assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    good = [m for m in messages if m.infer_response.id == "good"]
+    assert good and is_final(good[-1]) and not good[-1].error_message
+    # ModelInfer cannot carry a stream: the decoupled model refuses it, bad or good.
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for message in requests[:2]:
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.ModelInfer(message, timeout=30)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert caught.value.details() == f"model '{MODEL}' is decoupled; use ModelStreamInfer"
+
+
+def test_tritonclient_streaming_receives_every_response(
+    address: str, chat_ids: Any, tmp_path: Path
+) -> None:
+    good, bad = tmp_path / "good.npz", tmp_path / "bad.npz"
+    ids = np.array(chat_ids("What is the capital of France?"), dtype=np.int64)
+    sampling = json.dumps({"temperature": 0, "max_tokens": 12}).encode()
+    np.savez(good, INPUT_IDS=ids, SAMPLING=np.array([sampling], dtype=object))
+    np.savez(bad, INPUT_IDS=ids, SAMPLING=np.array([b'{"top_p": 0}'], dtype=object))
+    answers = run_client(
+        "triton_llm_stream.py", address, MODEL, [["good", str(good)], ["bad", str(bad)]]
+    )
+    responses = answers["good"]["responses"]
+    assert len(responses) >= 2 and answers["good"]["error"] is None
+    assert [r["final"] for r in responses] == [False] * (len(responses) - 1) + [True]
+    assert sum(r["new_tokens"] for r in responses) == len(responses[-1]["output_ids"])
+    assert responses[-1]["finish"] in ("stop", "length")
+    assert "top_p" in answers["bad"]["error"]
