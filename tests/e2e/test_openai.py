@@ -43,13 +43,13 @@ QUESTIONS = [
 # Each answer must speak of its own question's subject (or give the right
 # answer): a 135M model is not always right, but a crossed stream would show.
 EXPECTED = [
-    "paris|france",
+    "paris|fran",
     "tokyo|japan",
     "rome|ital",
     "berlin|german",
-    "madrid|spain",
-    "london|england",
-    "moscow|russia",
+    "madrid|spa[ie]n|españa",
+    "london|engl",
+    "moscow|russ",
     "cairo|egypt",
     "blue|sky",
     "seven|7|week|day",
