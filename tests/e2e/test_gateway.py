@@ -313,6 +313,11 @@ def test_trace_of_an_http_request_starts_at_envoy(edge: str, otlp: OtlpReceiver)
             if s.service == "envoy"
             and not s.parent_id
             and any(o.trace_id == s.trace_id and o.service == "tokenizer" for o in spans)
+            # The orchestrator's server span ends after its children: once here, all are.
+            and any(
+                o.trace_id == s.trace_id and o.service == "orchestrator" and o.kind == 2
+                for o in spans
+            )
         ]
 
     spans = otlp.wait_for(lambda spans: bool(envoy_roots(spans)))

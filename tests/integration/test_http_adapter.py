@@ -293,7 +293,14 @@ def test_trace_continues_from_traceparent(adapter: ServiceProcess, receiver: Otl
     assert status == 200
 
     def complete(spans: list[Span]) -> bool:
-        return any(s.trace_id == TRACE_ID and s.service == "inference" for s in spans)
+        # Each process exports on its own schedule: wait for all of them.
+        kinds = {(s.service, s.kind) for s in spans if s.trace_id == TRACE_ID}
+        return {
+            ("http_adapter", 2),
+            ("http_adapter", 3),
+            ("orchestrator", 2),
+            ("inference", 2),
+        } <= kinds
 
     spans = [s for s in receiver.wait_for(complete) if s.trace_id == TRACE_ID]
     (server,) = [s for s in spans if s.service == "http_adapter" and s.kind == 2]  # SERVER
