@@ -8,9 +8,10 @@ sees a change; the reason stays visible in RepositoryIndex meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 from opentelemetry import trace
 
@@ -125,6 +126,20 @@ class EnsembleRegistry:
             raise Unavailable(f"ensemble '{name}' is not loaded: {self.failed[name]}")
         return plan
 
+    @contextlib.contextmanager
+    def _recorded(self, name: str) -> Iterator[None]:
+        """Record one request's outcome and duration in the ensemble's statistics."""
+        started = time.monotonic_ns()
+        recorder = self.stats[name]
+        try:
+            yield
+        except BaseException:
+            recorder.request_done(time.monotonic_ns() - started, 0, False, "BACKEND")
+            raise
+        elapsed = time.monotonic_ns() - started
+        recorder.request_done(elapsed, 0, True)
+        recorder.batch_done(1, 0, elapsed, 0)
+
     async def stream(
         self,
         plan: EnsemblePlan,
@@ -134,17 +149,9 @@ class EnsembleRegistry:
         tracer: trace.Tracer,
     ) -> AsyncIterator[dict[str, WireTensor]]:
         """Stream one request through a decoupled ``plan``, recording statistics."""
-        started = time.monotonic_ns()
-        recorder = self.stats[plan.name]
-        try:
+        with self._recorded(plan.name):
             async for outputs in plan.stream(inputs, call, stream_call, tracer):
                 yield outputs
-        except BaseException:
-            recorder.request_done(time.monotonic_ns() - started, 0, False, "BACKEND")
-            raise
-        elapsed = time.monotonic_ns() - started
-        recorder.request_done(elapsed, 0, True)
-        recorder.batch_done(1, 0, elapsed, 0)
 
     async def run(
         self,
@@ -154,14 +161,5 @@ class EnsembleRegistry:
         tracer: trace.Tracer,
     ) -> dict[str, WireTensor]:
         """Run one request through ``plan``, recording statistics."""
-        started = time.monotonic_ns()
-        recorder = self.stats[plan.name]
-        try:
-            outputs = await plan.run(inputs, call, tracer)
-        except BaseException:
-            recorder.request_done(time.monotonic_ns() - started, 0, False, "BACKEND")
-            raise
-        elapsed = time.monotonic_ns() - started
-        recorder.request_done(elapsed, 0, True)
-        recorder.batch_done(1, 0, elapsed, 0)
-        return outputs
+        with self._recorded(plan.name):
+            return await plan.run(inputs, call, tracer)
