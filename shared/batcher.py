@@ -204,12 +204,14 @@ class DynamicBatcher:
         *,
         name: str,
         on_batch: Callable[[BatchRecord], None] | None = None,
+        on_pending: Callable[[int], None] | None = None,
     ) -> None:
         _check(len(instances) > 0, f"model '{name}': at least one instance is required")
         self.name = name
         self._policy = policy
         self._instances = tuple(instances)
         self._on_batch = on_batch
+        self._on_pending = on_pending
         self._batched = policy.max_batch_size > 0
         self._combine = self._batched and policy.dynamic_batching
         self._preferred = frozenset(policy.preferred_batch_sizes)
@@ -302,6 +304,7 @@ class DynamicBatcher:
         request.queue_start_ns = time.monotonic_ns()
         self._push(self._levels[level], entry)
         self._level_sizes[level] += 1
+        self._pending_changed()
         if entry.timeout_us:
             entry.timer = loop.call_later(entry.timeout_us / 1e6, self._on_timeout, entry)
         if self._policy.preserve_ordering:
@@ -336,6 +339,10 @@ class DynamicBatcher:
         queue.append(entry)
         entry.queue = queue
 
+    def _pending_changed(self) -> None:
+        if self._on_pending is not None:
+            self._on_pending(self.pending)
+
     def _queued(self) -> Iterator[_Entry]:
         return itertools.chain(*self._levels, self._delayed)
 
@@ -344,6 +351,7 @@ class DynamicBatcher:
         entry.queue.remove(entry)
         entry.queue = None
         self._level_sizes[entry.level] -= 1
+        self._pending_changed()
         if entry.timer is not None:
             entry.timer.cancel()
             entry.timer = None

@@ -256,7 +256,10 @@ class ModelVersion:
             )
             self.instances.append(threaded)
         self.batcher = DynamicBatcher(
-            batch_policy(self.spec.config), self.instances, name=f"{self.name}:{self.version}"
+            batch_policy(self.spec.config),
+            self.instances,
+            name=f"{self.name}:{self.version}",
+            on_pending=self.stats.set_pending,
         )
 
     async def _load_streaming(self, specs: list[InstanceSpec]) -> None:
@@ -331,9 +334,6 @@ class ModelVersion:
         except BaseException as exc:
             self.stats.request_done(time.monotonic_ns() - started, 0, False, _failure(exc))
             raise
-        finally:
-            if self.batcher is not None:
-                self.stats.set_pending(self.batcher.pending)
         finished = time.monotonic_ns()
         queue_ns = max(0, request.compute_start_ns - request.queue_start_ns)
         self.stats.request_done(finished - started, queue_ns, True)

@@ -10,18 +10,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENTS = Path(__file__).resolve().parent / "clients"
 READY_MARKER = "MESHSERVE_READY"
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+"""Prometheus samples: (metric name, label pairs) -> value."""
 
 
 class ServiceProcess:
@@ -76,6 +81,20 @@ class ServiceProcess:
         """Everything the service wrote to stderr so far."""
         self._log.flush()
         return self.log_path.read_text()
+
+    def metrics(self) -> Samples:
+        """Scrape the service's /metrics endpoint."""
+        url = f"http://127.0.0.1:{self.info['metrics_port']}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        samples: Samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                series, _, value = line.rpartition(" ")
+                name, _, labels = series.partition("{")
+                pairs = re.findall(r'(\w+)="([^"]*)"', labels)
+                samples[name, frozenset(pairs)] = float(value)
+        return samples
 
     def signal(self, sig: int) -> None:
         """Send a signal to the service's own PID."""

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,7 +31,7 @@ from models.prepare import prepare_repository
 from services.postprocess.detokenize import IncrementalDecoder
 from shared.tensors import decode_outputs, encode_inputs
 from tests.conftest import build_repository, cache_dir
-from tests.harness import ServiceProcess, run_client
+from tests.harness import Samples, ServiceProcess, run_client
 
 MODEL = "smollm2"
 TOKENIZER = "smollm2_tokenizer"
@@ -145,24 +143,6 @@ def is_final(message: pb.ModelStreamInferResponse) -> bool:
     return message.infer_response.parameters["triton_final_response"].bool_param
 
 
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def scrape(service: ServiceProcess) -> Samples:
-    """The service's metrics: (name, labels) -> value."""
-    url = f"http://127.0.0.1:{service.info['metrics_port']}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    samples: Samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            series, _, value = line.rpartition(" ")
-            name, _, labels = series.partition("{")
-            pairs = re.findall(r'(\w+)="([^"]*)"', labels)
-            samples[name, frozenset(pairs)] = float(value)
-    return samples
-
-
 def llm_metric(samples: Samples, name: str, **labels: str) -> float:
     wanted = frozenset({"model": MODEL, "version": "1", **labels}.items())
     return samples.get((f"meshserve_llm_{name}", wanted), 0.0)
@@ -251,12 +231,12 @@ def test_cancelling_a_stream_aborts_the_generation_in_vllm(
     services: dict[str, ServiceProcess], chat_ids: Any
 ) -> None:
     service = services["inference"]
-    aborted_before = llm_metric(scrape(service), "requests_finished_total", finish_reason="abort")
+    aborted_before = llm_metric(service.metrics(), "requests_finished_total", finish_reason="abort")
     assert asyncio.run(_cancel_after(service.address, chat_ids(STORY), 3)) == 3
     names = ("requests_running", "requests_waiting", "requests_unfinished")
     deadline = time.monotonic() + 15
     while True:  # the abort completes on the server a moment after the cancel
-        samples = scrape(service)
+        samples = service.metrics()
         busy = {name: llm_metric(samples, name) for name in names}
         aborted = llm_metric(samples, "requests_finished_total", finish_reason="abort")
         if (aborted > aborted_before and not any(busy.values())) or time.monotonic() > deadline:

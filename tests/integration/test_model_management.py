@@ -108,6 +108,8 @@ def service(repo: Path) -> Iterator[ServiceProcess]:
         [
             "--model-repository",
             str(repo),
+            "--metrics-port",
+            "0",
             "--load-models",
             "mlp",
             "--load-models",
@@ -145,10 +147,21 @@ def assert_still_serves(stub: pb_grpc.GRPCInferenceServiceStub) -> None:
     assert outputs["OUTPUT0"].shape == (1, 8)
 
 
-def test_full_queue_is_resource_exhausted_promptly(stub: pb_grpc.GRPCInferenceServiceStub) -> None:
+def wait_pending(service: ServiceProcess, model: str, count: int, timeout: float = 10) -> None:
+    """Wait until ``count`` requests of ``model`` sit in its queue (not executing)."""
+    series = ("nv_inference_pending_request_count", frozenset({("model", model), ("version", "1")}))
+    deadline = time.monotonic() + timeout
+    while service.metrics().get(series) != count:
+        assert time.monotonic() < deadline, f"{model}: never {count} queued requests"
+        time.sleep(0.02)
+
+
+def test_full_queue_is_resource_exhausted_promptly(
+    service: ServiceProcess, stub: pb_grpc.GRPCInferenceServiceStub
+) -> None:
     # One instance busy for 1.5 s, two requests queued: the next one is refused.
     busy = [stub.ModelInfer.future(sleep_request("tiny_queue", 1500)) for _ in range(3)]
-    time.sleep(0.3)
+    wait_pending(service, "tiny_queue", 2)
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as caught:
         stub.ModelInfer(sleep_request("tiny_queue", 1), timeout=10)
