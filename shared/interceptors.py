@@ -210,12 +210,8 @@ class ClientUnaryInterceptor(_ClientBase, grpc.aio.UnaryUnaryClientInterceptor):
             span.end()
 
 
-class ClientStreamInterceptor(
-    _ClientBase,
-    grpc.aio.UnaryStreamClientInterceptor,  # type: ignore[misc]
-    grpc.aio.StreamStreamClientInterceptor,  # type: ignore[misc]
-):
-    """Sends ``traceparent`` with streaming calls; the span covers the set-up."""
+class ClientUnaryStreamInterceptor(_ClientBase, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    """Sends ``traceparent`` with server-streaming calls; the span covers the set-up."""
 
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         span = self._span(details)
@@ -223,6 +219,10 @@ class ClientStreamInterceptor(
             return await continuation(self._details(details, span), request)
         finally:
             span.end()
+
+
+class ClientStreamStreamInterceptor(_ClientBase, grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
+    """Sends ``traceparent`` with bidirectional calls; the span covers the set-up."""
 
     async def intercept_stream_stream(
         self, continuation: Any, details: Any, request_iterator: Any
@@ -235,5 +235,13 @@ class ClientStreamInterceptor(
 
 
 def client_interceptors(tracer: trace.Tracer) -> list[Any]:
-    """Interceptors for a ``grpc.aio`` channel that propagate the trace."""
-    return [ClientUnaryInterceptor(tracer), ClientStreamInterceptor(tracer)]
+    """Interceptors for a ``grpc.aio`` channel that propagate the trace.
+
+    One class per call kind: a channel files each interceptor under the first
+    kind it implements, so one class serving two kinds would miss the second.
+    """
+    return [
+        ClientUnaryInterceptor(tracer),
+        ClientUnaryStreamInterceptor(tracer),
+        ClientStreamStreamInterceptor(tracer),
+    ]

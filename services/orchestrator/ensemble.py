@@ -16,6 +16,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from inference import model_config_pb2 as mc
@@ -196,8 +197,20 @@ class EnsemblePlan:
         before = await self._execute(self.upstream, dict(inputs), call, tracer)
         step_inputs = {k: before[v] for k, v in step.input_map.items() if v in before}
         responses = stream_call(step, step_inputs, list(step.output_map))
+        # The streaming step's span covers the whole stream; it is current only
+        # while the stream is advanced, since this generator may be resumed in
+        # another context.
+        span = tracer.start_span(self._step_span_name(step), attributes=self._step_attributes(step))
+        span_ctx = trace.set_span_in_context(span)
         try:
-            async for produced in responses:
+            while True:
+                token = otel_context.attach(span_ctx)
+                try:
+                    produced = await anext(responses)
+                except StopAsyncIteration:
+                    return
+                finally:
+                    otel_context.detach(token)
                 available = dict(before)
                 for out_name, tensor in step.output_map.items():
                     if out_name in produced:
@@ -207,8 +220,12 @@ class EnsemblePlan:
                 yield outputs
                 if _finished(outputs.get(FINISH_TENSOR)):
                     return  # closing the stream below cancels the generation upstream
+        except Exception as exc:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+            raise
         finally:
             await responses.aclose()  # type: ignore[attr-defined]
+            span.end()
 
     async def _execute(
         self,
@@ -255,12 +272,7 @@ class EnsemblePlan:
         self, step: Step, inputs: dict[str, WireTensor], call: StepCall, tracer: trace.Tracer
     ) -> dict[str, WireTensor]:
         with tracer.start_as_current_span(
-            f"ensemble step {step.index} {step.model}",
-            attributes={
-                "meshserve.ensemble": self.name,
-                "meshserve.step": step.index,
-                "meshserve.model": step.model,
-            },
+            self._step_span_name(step), attributes=self._step_attributes(step)
         ):
             try:
                 return await call(step, inputs, list(step.output_map))
@@ -268,6 +280,17 @@ class EnsemblePlan:
                 raise error_for_status(
                     exc.code, f"{step.describe(self.name)}: {exc.message}"
                 ) from exc
+
+    @staticmethod
+    def _step_span_name(step: Step) -> str:
+        return f"ensemble step {step.index} {step.model}"
+
+    def _step_attributes(self, step: Step) -> dict[str, str | int]:
+        return {
+            "meshserve.ensemble": self.name,
+            "meshserve.step": step.index,
+            "meshserve.model": step.model,
+        }
 
     def _check_request(self, inputs: Mapping[str, WireTensor]) -> None:
         for name in inputs:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import time
 import urllib.error
 import urllib.request
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from tests.harness import run_client
+from tests.otlp import OtlpReceiver, Span
 
 pytestmark = pytest.mark.e2e
 
@@ -267,3 +269,58 @@ def test_closing_a_stream_aborts_the_generation(base_url: str, mesh: dict[str, A
     ):
         assert time.monotonic() < deadline, f"the generation was not aborted: {samples}"
         time.sleep(0.2)
+
+
+def test_one_chat_request_is_one_trace_across_the_mesh(base_url: str, otlp: OtlpReceiver) -> None:
+    trace_id, caller = secrets.token_hex(16), secrets.token_hex(8)
+    body = {
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0,
+        "max_tokens": 8,
+        "stream": True,
+    }
+    request = urllib.request.Request(
+        f"{base_url}/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "traceparent": f"00-{trace_id}-{caller}-01"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.status == 200
+        assert response.read().decode().endswith("data: [DONE]\n\n")
+
+    stages = ("tokenizer", "inference", "postprocess")
+
+    def complete(spans: list[Span]) -> bool:
+        # Every process exports on its own schedule; the orchestrator's and the
+        # adapter's server spans end last, so wait for those and every stage.
+        servers = {s.service for s in spans if s.trace_id == trace_id and s.kind == 2}
+        return {"envoy", "http_adapter", "orchestrator", *stages} <= servers | {
+            s.service for s in spans if s.trace_id == trace_id
+        } and {"http_adapter", "orchestrator"} <= servers
+
+    mine = [s for s in otlp.wait_for(complete) if s.trace_id == trace_id]
+    by_id = {s.span_id: s for s in mine}
+
+    def parent(span: Span) -> Span:
+        assert span.parent_id in by_id, f"{span.service} {span.name}: parent not in the trace"
+        return by_id[span.parent_id]
+
+    (envoy,) = [s for s in mine if s.service == "envoy" and s.parent_id == caller]
+    (adapter,) = [s for s in mine if s.service == "http_adapter" and s.kind == 2]
+    assert adapter.name == "POST /v1/chat/completions"
+    # The adapter's server span hangs under Envoy's (directly or through its egress span).
+    above = parent(adapter)
+    assert above.service == "envoy" and (above is envoy or parent(above) is envoy)
+    (orchestrator,) = [s for s in mine if s.service == "orchestrator" and s.kind == 2]
+    assert parent(orchestrator).service == "http_adapter"
+    for stage in stages:
+        served = [s for s in mine if s.service == stage and s.kind == 2]
+        assert served, f"no {stage} server span in the trace"
+        # Each stage call is the orchestrator's client span, inside one of its
+        # ensemble step spans, inside the Chat server span.
+        for span in served:
+            client = parent(span)
+            assert client.service == "orchestrator" and client.kind == 3
+            step = parent(client)
+            assert step.name.startswith("ensemble step") and step.attributes["meshserve.ensemble"]
+            assert parent(step) is orchestrator
