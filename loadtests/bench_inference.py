@@ -7,9 +7,10 @@ In order:
 1. a temporary model repository gets two variants of the chosen model (the
    prepared model file, symlinked): ``<model>_batched`` (dynamic batching) and
    ``<model>_unbatched`` (no ``dynamic_batching`` block: one request per run);
-2. the in-process floor: the backend's own instance class (same session
-   options and thread count as the server gives it, one thread per instance),
-   run in a loop at batch sizes 1..64; the best images/s is the floor;
+2. the in-process floor (``inference_floor.py``): the backend's own instance
+   class (same session options and thread count as the server gives it, one
+   thread per instance), run in a loop at batch sizes 1..64; the best images/s
+   is the floor;
 3. one inference service process hosts both variants;
 4. closed-loop gRPC load (grpc.aio, several channels, one pre-serialised
    batch-1 request reused) at 1, 16 and 64 requests in flight per variant, each
@@ -31,38 +32,46 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
+from common import (
+    INFER_METHOD,
+    CpuUsage,
+    GrpcTarget,
+    LoadResult,
+    load_average,
+    sample_cpu,
+    settle,
+)
+from inference_floor import (
+    INPUT,
+    NOISY_CORES,
+    OUTPUT,
+    QUIET_CORES,
+    Floor,
+    FloorSettings,
+    measure_floor,
+    model_spec,
+)
 
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from models.prepare import default_cache, prepare_repository
-from services.inference.main import backends
-from shared.backend import BackendInstance, ModelSpec, config_parameters
-from shared.model import instance_specs
 from shared.repository import ModelRepository
 from shared.tensors import decode_outputs, encode_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
-INFER_METHOD = f"/{SERVICE}/ModelInfer"
-INPUT, OUTPUT = "input", "logits"
 MODEL_FILES = {"mobilenet_v2_onnx": "model.onnx", "mobilenet_v2": "model.pt"}
 FLOOR_TARGET, BATCHING_TARGET = 0.85, 3.0
-NOISY_CORES = 0.25
-"""Other processes' CPU above which a measurement is flagged as disturbed."""
 
 _CONFIG = """\
 name: "{name}"
@@ -114,6 +123,11 @@ class Settings:
     cache: Path
     """The models.prepare cache folder."""
 
+    @property
+    def floor(self) -> FloorSettings:
+        """How the in-process floor is measured."""
+        return FloorSettings(self.floor_batches, self.floor_s, self.settle_s, self.attempts)
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -125,45 +139,12 @@ class Variant:
     """The serialised batch-1 ModelInferRequest, built once and reused."""
 
 
-@dataclass(frozen=True)
-class Sample:
-    """Counters read at one edge of a measured window."""
+class Counters(NamedTuple):
+    """ModelStatistics of one model at one edge of a measured window."""
 
-    wall: float
-    server_cpu: float
-    client_cpu: float
-    machine_cpu: float
-    """Busy CPU seconds of the whole machine (all processes, all cores)."""
     rows: int
     executions: int
     compute_ns: int
-
-
-@dataclass(frozen=True)
-class LoadResult:
-    """One closed-loop run over one measured window."""
-
-    label: str
-    in_flight: int
-    completed: int
-    seconds: float
-    latency_ms: tuple[float, float, float]
-    """p50, p95, p99."""
-    server_cpu_ms: float
-    """Server CPU (utime + stime) per completed request."""
-    client_cpu_ms: float
-    """Load-generator CPU per completed request."""
-    mean_batch: float
-    """Rows per model execution in the window (ModelStatistics)."""
-    busy: float
-    """Fraction of the window the instances spent computing (summed over instances)."""
-    others: float
-    """Cores that other processes (not the server, not this one) kept busy meanwhile."""
-
-    @property
-    def rate(self) -> float:
-        """Completed requests per second."""
-        return self.completed / self.seconds
 
 
 @dataclass
@@ -212,18 +193,6 @@ def build_repository(root: Path, settings: Settings) -> dict[str, str]:
     return names
 
 
-def model_spec(repository: Path, name: str) -> ModelSpec:
-    """The ModelSpec the server's model manager builds for version 1 of ``name``."""
-    entry = ModelRepository(repository).entry(name)
-    return ModelSpec(
-        name=entry.name,
-        version=1,
-        path=entry.version_path(1),
-        config=entry.config,
-        parameters=config_parameters(entry.config),
-    )
-
-
 def payload(name: str, image: np.ndarray) -> bytes:
     """A batch-1 ModelInferRequest for ``name``, serialised once."""
     request = pb.ModelInferRequest(model_name=name)
@@ -231,182 +200,27 @@ def payload(name: str, image: np.ndarray) -> bytes:
     return request.SerializeToString()
 
 
-# -- the in-process floor ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FloorPoint:
-    """The in-process floor at one batch size."""
-
-    rate: float
-    """Images/s, all instances running at once."""
-    cpu_ms: float
-    """CPU of this process per image: robust to neighbours, unlike the rate."""
-    others: float
-    """Cores other processes kept busy meanwhile."""
-
-
-@dataclass(frozen=True)
-class Floor:
-    """The model run in this process, no server: the best the instances can do."""
-
-    points: dict[int, FloorPoint]
-    """By batch size."""
-    logits: np.ndarray
-    """Batch-1 output for the benchmark image, to check the server's answer against."""
-    instances: int
-    threads: int
-    """Intra-op threads per instance (what the server gives each instance)."""
-
-    @property
-    def best(self) -> tuple[int, FloorPoint]:
-        """(batch size, point) of the fastest batch size."""
-        return max(self.points.items(), key=lambda item: item[1].rate)
-
-
-def measure_floor(spec: ModelSpec, image: np.ndarray, settings: Settings) -> Floor:
-    """Run the backend's own instances in this process at each floor batch size.
-
-    Each instance is created and run in its own single thread, as
-    ``ThreadedInstance`` does in the server (torch's thread count is set by the
-    creating thread), so session options and thread counts are the server's.
-    """
-    layout = instance_specs(spec.config, 0)
-    backend = backends()[spec.config.backend]
-    pools = [ThreadPoolExecutor(max_workers=1) for _ in layout]
-    try:
-        instances = [
-            _tensor_instance(pool.submit(backend.create_instance, spec, where).result())
-            for pool, where in zip(pools, layout, strict=True)
-        ]
-        logits = pools[0].submit(instances[0].run, {INPUT: image[None]}).result()[OUTPUT][0]
-        points = {}
-        for batch in settings.floor_batches:
-            measure = partial(_floor_point, instances, pools, image, batch, settings.floor_s)
-            points[batch] = _quietest(measure, settings)
-        for pool, instance in zip(pools, instances, strict=True):
-            pool.submit(instance.close).result()
-    finally:
-        for pool in pools:
-            pool.shutdown(wait=True)
-    return Floor(points, logits, len(layout), layout[0].intra_op_threads)
-
-
-def _quietest(measure: Callable[[], FloorPoint], settings: Settings) -> FloorPoint:
-    """The least disturbed of up to ``settings.attempts`` floor measurements."""
-    best: FloorPoint | None = None
-    for _ in range(settings.attempts):
-        asyncio.run(settle(own_cpu_seconds, settings.settle_s))
-        point = measure()
-        best = point if best is None or point.others < best.others else best
-        if best.others <= NOISY_CORES:
-            break
-    assert best is not None
-    return best
-
-
-def _tensor_instance(instance: BackendInstance) -> Any:
-    if not hasattr(instance, "run"):
-        raise TypeError(f"{type(instance).__name__} has no run(); not a tensor backend")
-    return instance
-
-
-def _floor_point(
-    instances: Sequence[Any],
-    pools: Sequence[ThreadPoolExecutor],
-    image: np.ndarray,
-    batch: int,
-    seconds: float,
-) -> FloorPoint:
-    """Every instance looping on ``batch`` rows for ``seconds``."""
-    inputs = {INPUT: np.ascontiguousarray(np.broadcast_to(image, (batch, *image.shape)))}
-    # TorchScript specialises on the first runs of a shape; ORT allocates its arenas.
-    pairs = list(zip(pools, instances, strict=True))
-    warm = [pool.submit(_loop, one, inputs, 0.0, 3) for pool, one in pairs]
-    for future in warm:
-        future.result()
-    started, machine, own = time.perf_counter(), machine_cpu_seconds(), own_cpu_seconds()
-    runs = [pool.submit(_loop, one, inputs, started + seconds) for pool, one in pairs]
-    images = sum(future.result() for future in runs) * batch
-    elapsed, spent = time.perf_counter() - started, own_cpu_seconds() - own
-    others = max(0.0, machine_cpu_seconds() - machine - spent) / elapsed
-    return FloorPoint(images / elapsed, spent * 1000 / images, others)
-
-
-def _loop(instance: Any, inputs: dict[str, np.ndarray], deadline: float, at_least: int = 1) -> int:
-    """Run until ``deadline`` (and at least ``at_least`` times); the number of runs."""
-    runs = 0
-    while runs < at_least or time.perf_counter() < deadline:
-        instance.run(inputs)
-        runs += 1
-    return runs
-
-
 # -- closed-loop gRPC load -----------------------------------------------------
 
-_TICKS = os.sysconf("SC_CLK_TCK")
 
-
-def process_cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid`` from /proc (all its threads), in seconds."""
-    # The command name may hold spaces or parentheses: split after the last ')'.
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
-
-
-def machine_cpu_seconds() -> float:
-    """Busy CPU time of the whole machine (user, nice, system, irq, softirq, steal)."""
-    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields)
-    return (user + nice + system + irq + softirq + steal) / _TICKS
-
-
-def own_cpu_seconds() -> float:
-    """This process's user + system CPU time (the load generator's cost)."""
-    times = os.times()
-    return times.user + times.system
-
-
-async def settle(ours: Callable[[], float], limit_s: float, quiet_cores: float = 0.15) -> float:
-    """Wait (at most ``limit_s``) until other processes use < ``quiet_cores``; their last use.
-
-    On a shared machine a neighbour's burst halves a 2-thread model's speed, so
-    each measurement starts in a quiet second when there is one; ``ours``
-    returns the CPU seconds of the processes under test (left out of the count).
-    """
-    deadline, others = time.perf_counter() + limit_s, 0.0
-    while time.perf_counter() < deadline:
-        machine, own, started = machine_cpu_seconds(), ours(), time.perf_counter()
-        await asyncio.sleep(1.0)
-        used = machine_cpu_seconds() - machine - (ours() - own)
-        others = max(0.0, used) / (time.perf_counter() - started)
-        if others < quiet_cores:
-            break
-    return others
-
-
-async def _counters(stub: Any, name: str) -> tuple[int, int, int]:
-    """(rows, executions, compute ns) of model ``name`` from ModelStatistics."""
+async def _counters(stub: Any, name: str) -> Counters:
+    """ModelStatistics of model ``name`` (read just outside a window's edges)."""
     reply = await stub.ModelStatistics(pb.ModelStatisticsRequest(name=name))
     stats = reply.model_stats[0]
-    return stats.inference_count, stats.execution_count, stats.inference_stats.compute_infer.ns
+    return Counters(
+        stats.inference_count, stats.execution_count, stats.inference_stats.compute_infer.ns
+    )
 
 
-async def _sample(stub: Any, pid: int, name: str, *, stats_first: bool) -> Sample:
-    """Counters at a window edge; the statistics RPC stays outside the window."""
-    counters = await _counters(stub, name) if stats_first else None
-    wall, server = time.perf_counter(), process_cpu_seconds(pid)
-    client, machine = own_cpu_seconds(), machine_cpu_seconds()
-    if counters is None:
-        counters = await _counters(stub, name)
-    return Sample(wall, server, client, machine, *counters)
+async def _worker(call: Any, window: _Window) -> None:
+    """Send back to back; record latencies that end inside the window.
 
-
-async def _worker(call: Any, request: bytes, window: _Window) -> None:
-    """Send ``request`` back to back; record latencies that end inside the window."""
+    Unlike ``common.closed_loop`` a failed request ends the benchmark: the
+    ratios mean nothing once the server errs.
+    """
     while not window.closed:
         started = time.perf_counter_ns()
-        await call(request)
+        await call()
         if window.open:
             window.latencies_ns.append(time.perf_counter_ns() - started)
 
@@ -414,62 +228,55 @@ async def _worker(call: Any, request: bytes, window: _Window) -> None:
 async def run_load(
     address: str, pid: int, variant: Variant, in_flight: int, settings: Settings
 ) -> LoadResult:
-    """One closed-loop run: warm up, then measure a window of ``settings.seconds``."""
-    # A local subchannel pool gives each channel its own TCP connection.
-    options = [("grpc.use_local_subchannel_pool", 1)]
-    count = max(1, min(in_flight, settings.channels))
-    channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(count)]
-    # No serializer: the request goes out as the pre-built bytes, the reply stays bytes.
-    calls = [channel.unary_unary(INFER_METHOD) for channel in channels]
-    stub = pb_grpc.GRPCInferenceServiceStub(channels[0])  # type: ignore[no-untyped-call]
-    window = _Window()
+    """One closed-loop run: warm up, then measure a window of ``settings.seconds``.
+
+    ``LoadResult.probes`` holds the model's Counters at the window's two edges.
+    """
+    target = GrpcTarget(
+        address, INFER_METHOD, variant.payload, max(1, min(in_flight, settings.channels))
+    )
+    calls, pids, window = target.calls(), {"server": pid}, _Window()
     workers = [
-        asyncio.create_task(_worker(calls[index % count], variant.payload, window))
+        asyncio.create_task(_worker(calls[index % len(calls)], window))
         for index in range(in_flight)
     ]
     try:
-        await asyncio.sleep(settings.warmup_s)
-        await settle(lambda: process_cpu_seconds(pid) + own_cpu_seconds(), settings.settle_s)
-        before = await _sample(stub, pid, variant.name, stats_first=True)
-        window.open = True
-        await asyncio.sleep(settings.seconds)
-        window.open, window.closed = False, True
-        after = await _sample(stub, pid, variant.name, stats_first=False)
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+            await asyncio.sleep(settings.warmup_s)
+            await settle(pids, settings.settle_s, QUIET_CORES)
+            first = await _counters(stub, variant.name)
+            before = sample_cpu(pids)
+            window.open = True
+            await asyncio.sleep(settings.seconds)
+            window.open, window.closed = False, True
+            after = sample_cpu(pids)
+            last = await _counters(stub, variant.name)
         await asyncio.gather(*workers)
     finally:
         for task in workers:
             task.cancel()
-        for channel in channels:
-            await channel.close()
-    return _result(variant.label, in_flight, window, before, after)
-
-
-def _result(
-    label: str, in_flight: int, window: _Window, before: Sample, after: Sample
-) -> LoadResult:
-    completed = len(window.latencies_ns)
-    per_request = 1000.0 / max(1, completed)
+        await target.close()
     latencies = np.asarray(window.latencies_ns, dtype=np.float64) / 1e6
-    p50, p95, p99 = np.percentile(latencies, [50, 95, 99]) if completed else (np.nan,) * 3
-    seconds = after.wall - before.wall
-    return LoadResult(
-        label=label,
-        in_flight=in_flight,
-        completed=completed,
-        seconds=seconds,
-        latency_ms=(float(p50), float(p95), float(p99)),
-        server_cpu_ms=(after.server_cpu - before.server_cpu) * per_request,
-        client_cpu_ms=(after.client_cpu - before.client_cpu) * per_request,
-        mean_batch=(after.rows - before.rows) / max(1, after.executions - before.executions),
-        busy=(after.compute_ns - before.compute_ns) / 1e9 / seconds,
-        others=_others(before, after) / seconds,
-    )
+    usage = CpuUsage.between(before, after)
+    return LoadResult(variant.label, in_flight, latencies, 0, usage, (first, last))
 
 
-def _others(before: Sample, after: Sample) -> float:
-    """CPU seconds the rest of the machine used between two samples (never negative)."""
-    ours = (after.server_cpu - before.server_cpu) + (after.client_cpu - before.client_cpu)
-    return max(0.0, after.machine_cpu - before.machine_cpu - ours)
+def _counted(result: LoadResult) -> Counters:
+    """What the model's statistics grew by over the window."""
+    first, last = result.probes
+    return Counters(*(end - start for start, end in zip(first, last, strict=True)))
+
+
+def mean_batch(result: LoadResult) -> float:
+    """Rows per model execution in the window (ModelStatistics)."""
+    counted = _counted(result)
+    return counted.rows / max(1, counted.executions)
+
+
+def busy(result: LoadResult) -> float:
+    """Fraction of the window the instances spent computing (summed over instances)."""
+    return _counted(result).compute_ns / 1e9 / result.usage.seconds
 
 
 async def quietest_load(
@@ -482,10 +289,10 @@ async def quietest_load(
     """
     best = await run_load(address, pid, variant, in_flight, settings)
     for _ in range(settings.attempts - 1):
-        if best.others <= NOISY_CORES:
+        if best.usage.others <= NOISY_CORES:
             break
         again = await run_load(address, pid, variant, in_flight, settings)
-        best = min(best, again, key=lambda result: result.others)
+        best = min(best, again, key=lambda result: result.usage.others)
     return best
 
 
@@ -549,11 +356,12 @@ def _header() -> str:
 
 
 def _row(result: LoadResult) -> str:
-    p50, p95, p99 = result.latency_ms
+    p50, p95, p99 = (result.percentile(q) for q in (50, 95, 99))
+    others = result.usage.others
     return (
         f"{result.label:<12}{result.in_flight:>10}{result.rate:>9.1f}{p50:>9.1f}{p95:>9.1f}"
-        f"{p99:>9.1f}{result.server_cpu_ms:>8.1f}ms{result.client_cpu_ms:>8.2f}ms"
-        f"{result.mean_batch:>11.1f}{result.busy:>7.2f}{result.others:>7.2f}{_noisy(result.others)}"
+        f"{p99:>9.1f}{result.cpu_ms('server'):>8.1f}ms{result.client_cpu_ms():>8.2f}ms"
+        f"{mean_batch(result):>11.1f}{busy(result):>7.2f}{others:>7.2f}{_noisy(others)}"
     )
 
 
@@ -580,17 +388,16 @@ def ratio_lines(results: Sequence[LoadResult], floor: Floor) -> list[str]:
     top = max(result.in_flight for result in results)
     at_top = {r.label: r for r in results if r.in_flight == top}
     batched, unbatched, (_, best) = at_top["batching"], at_top["no-batching"], floor.best
+    batched_cpu, unbatched_cpu = batched.cpu_ms("server"), unbatched.cpu_ms("server")
     lines = [
         _ratio(f"batching@{top} / floor", batched.rate, best.rate, FLOOR_TARGET),
         _ratio(
             f"batching@{top} / no-batching@{top}", batched.rate, unbatched.rate, BATCHING_TARGET
         ),
-        _ratio("CPU/img: floor / batching", best.cpu_ms, batched.server_cpu_ms, None),
-        _ratio(
-            "CPU/img: no-batching / batching", unbatched.server_cpu_ms, batched.server_cpu_ms, None
-        ),
+        _ratio("CPU/img: floor / batching", best.cpu_ms, batched_cpu, None),
+        _ratio("CPU/img: no-batching / batching", unbatched_cpu, batched_cpu, None),
     ]
-    noisy = max(best.others, batched.others, unbatched.others)
+    noisy = max(best.others, batched.usage.others, unbatched.usage.others)
     if noisy > NOISY_CORES:
         lines.append(f"* other processes used up to {noisy:.2f} cores during these measurements")
     return lines
@@ -605,10 +412,6 @@ def _ratio(name: str, num: float, den: float, target: float | None) -> str:
 
 def _noisy(others: float) -> str:
     return "*" if others > NOISY_CORES else ""
-
-
-def _loadavg() -> str:
-    return Path("/proc/loadavg").read_text().split(" ", 3)[:3].__str__()
 
 
 # -- command line --------------------------------------------------------------
@@ -662,12 +465,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Build, measure the floor, serve, load, report; returns the exit status."""
     settings = parse_args(argv)
     image = np.random.default_rng(0).standard_normal((3, 224, 224), dtype=np.float32)
-    print(f"model {settings.model}; load average at start {_loadavg()}", flush=True)
+    print(f"model {settings.model}; load average at start {load_average().split()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="meshserve-bench-") as tmp:
         repository = Path(tmp)
         names = build_repository(repository, settings)
         print((repository / names["batching"] / "config.pbtxt").read_text(), flush=True)
-        floor = measure_floor(model_spec(repository, names["batching"]), image, settings)
+        spec = model_spec(repository, names["batching"])
+        floor = measure_floor(spec, image, settings.floor)
         print(describe_floor(floor), flush=True)
         variants = [Variant(label, name, payload(name, image)) for label, name in names.items()]
         with inference_service(repository) as service:
@@ -676,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     for line in ratio_lines(results, floor):
         print(line)
-    print(f"load average at end {_loadavg()}")
+    print(f"load average at end {load_average().split()}")
     return 0
 
 

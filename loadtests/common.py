@@ -11,9 +11,10 @@ The request path of a benchmark, one line per piece::
 CPU comes from ``/proc/<pid>/stat`` (utime + stime, all threads) read at the two
 edges of the measured window; "others" is what the rest of the machine (a
 neighbour on a shared box) used meanwhile, so a reader can tell a noisy run.
-The copies of ``process_cpu_seconds`` / ``machine_cpu_seconds`` / ``settle``
-follow ``bench_inference.py``, which is not imported: it pulls in the whole
-inference service.
+``bench_inference.py`` (one inference service, no mesh) takes the CPU
+accounting, ``GrpcTarget`` and ``LoadResult`` from here but keeps its own loop:
+it stops at the first failed request, and settles for a quieter machine
+(``settle(..., quiet_cores=0.15)``) before each window.
 """
 
 from __future__ import annotations
