@@ -1,4 +1,4 @@
-"""Fixtures shared by the test tree: prepared real models and test repositories."""
+"""Fixtures shared by the test tree: prepared real models, test repositories, a trace receiver."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import ServiceProcess
+from tests.otlp import OtlpReceiver
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -54,3 +55,11 @@ def python_service(python_models_repo: Path) -> Iterator[ServiceProcess]:
     )
     yield service
     service.stop()
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[OtlpReceiver]:
+    """An OTLP trace receiver for the services a test module starts."""
+    otlp = OtlpReceiver()
+    yield otlp
+    otlp.stop()

@@ -18,6 +18,8 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +113,28 @@ class ServiceProcess:
                 self.proc.wait(10)
         self._log.close()
         return self.proc.returncode
+
+
+@contextmanager
+def orchestrator_with_stage(repository: Path, *args: str) -> Iterator[ServiceProcess]:
+    """An inference stage hosting ``repository`` and an orchestrator routing to it.
+
+    Yields the orchestrator; ``args`` go to both processes (e.g. an OTLP
+    endpoint). Both are stopped on exit, the orchestrator first.
+    """
+    hosting = ["--model-repository", str(repository)]
+    stage = ServiceProcess("services.inference.main", [*hosting, *args])
+    try:
+        orchestrator = ServiceProcess(
+            "services.orchestrator.main",
+            [*hosting, "--stages", f"inference={stage.address}", "--metrics-port", "-1", *args],
+        )
+        try:
+            yield orchestrator
+        finally:
+            orchestrator.stop()
+    finally:
+        stage.stop()
 
 
 def run_client(script: str, *args: Any, timeout: float = 300.0) -> Any:

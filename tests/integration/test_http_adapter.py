@@ -26,7 +26,7 @@ from gateway.http import json_tensors, rest
 from shared.errors import InvalidArgument
 from shared.tensors import decode_raw
 from tests.conftest import DATA
-from tests.harness import ServiceProcess, run_client
+from tests.harness import ServiceProcess, orchestrator_with_stage, run_client
 from tests.otlp import OtlpReceiver, Span
 
 MAX_BODY = 256 * 1024
@@ -65,13 +65,6 @@ class TritonPythonModel:
 
 
 @pytest.fixture(scope="module")
-def receiver() -> Iterator[OtlpReceiver]:
-    otlp = OtlpReceiver()
-    yield otlp
-    otlp.stop()
-
-
-@pytest.fixture(scope="module")
 def orchestrator(
     tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver
 ) -> Iterator[ServiceProcess]:
@@ -81,18 +74,8 @@ def orchestrator(
     (repo / "echo" / "1").mkdir(parents=True)
     (repo / "echo" / "config.pbtxt").write_text(ECHO_CONFIG)
     (repo / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
-    otlp = ["--otlp-endpoint", receiver.endpoint]
-    stage = ServiceProcess("services.inference.main", ["--model-repository", str(repo), *otlp])
-    service = ServiceProcess(
-        "services.orchestrator.main",
-        [
-            *["--stages", f"inference={stage.address}", "--model-repository", str(repo)],
-            *["--metrics-port", "-1", *otlp],
-        ],
-    )
-    yield service
-    service.stop()
-    stage.stop()
+    with orchestrator_with_stage(repo, "--otlp-endpoint", receiver.endpoint) as service:
+        yield service
 
 
 def start_adapter(orchestrator: str, *extra: str) -> ServiceProcess:

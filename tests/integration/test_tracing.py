@@ -14,19 +14,12 @@ from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.tensors import encode_inputs
 from tests.conftest import DATA
-from tests.harness import ServiceProcess
+from tests.harness import ServiceProcess, orchestrator_with_stage
 from tests.integration.test_orchestrator import DIAMOND, ensemble, scale_model
 from tests.otlp import OtlpReceiver, Span
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
-
-
-@pytest.fixture(scope="module")
-def receiver() -> Iterator[OtlpReceiver]:
-    otlp = OtlpReceiver()
-    yield otlp
-    otlp.stop()
 
 
 @pytest.fixture(scope="module")
@@ -38,23 +31,8 @@ def mesh(
     scale_model(repo, "double_slow", 2, sleep_ms=20)
     scale_model(repo, "triple_slow", 3, sleep_ms=20)
     ensemble(repo, "diamond", DIAMOND)
-    otlp = ["--otlp-endpoint", receiver.endpoint]
-    stage = ServiceProcess("services.inference.main", ["--model-repository", str(repo), *otlp])
-    orchestrator = ServiceProcess(
-        "services.orchestrator.main",
-        [
-            "--model-repository",
-            str(repo),
-            "--stages",
-            f"inference={stage.address}",
-            "--metrics-port",
-            "-1",
-            *otlp,
-        ],
-    )
-    yield orchestrator
-    orchestrator.stop()
-    stage.stop()
+    with orchestrator_with_stage(repo, "--otlp-endpoint", receiver.endpoint) as orchestrator:
+        yield orchestrator
 
 
 def by_id(spans: list[Span]) -> dict[str, Span]:
