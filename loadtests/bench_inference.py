@@ -1,6 +1,7 @@
-"""Throughput of the inference service with and without dynamic batching (MobileNetV2, CPU).
+"""Throughput of the inference service with and without dynamic batching (MobileNetV2).
 
-    python loadtests/bench_inference.py [--model mobilenet_v2_onnx] [--seconds 8] [--quick]
+    python loadtests/bench_inference.py [--model mobilenet_v2_onnx] [--kind cpu|gpu]
+                                        [--seconds 8] [--quick]
 
 In order:
 
@@ -26,6 +27,11 @@ first waits (``--settle``) for a quiet second, and one that others disturbed
 anyway (``*``, > 0.25 cores) is measured again (``--attempts``), keeping the
 least disturbed. CPU per image (floor) and per request (server) barely move with
 neighbours, so their ratios are printed beside the throughput ratios.
+
+``--kind gpu`` (a host with CUDA) puts both variants and the floor on GPU 0
+(``KIND_GPU gpus: [0]``, the TorchScript model). That is where batching has the
+most to win: on a small CPU the model costs the same per image at any batch
+size, so batching can only save the per-request serving overhead.
 """
 
 from __future__ import annotations
@@ -79,7 +85,7 @@ backend: "{backend}"
 max_batch_size: 64
 input [ {{ name: "{input}" data_type: TYPE_FP32 dims: [ 3, 224, 224 ] }} ]
 output [ {{ name: "{output}" data_type: TYPE_FP32 dims: [ 1000 ] }} ]
-instance_group [ {{ count: {instances} kind: KIND_CPU }} ]
+instance_group [ {{ count: {instances} kind: {kind} }} ]
 {extra}"""
 _DYNAMIC = """\
 dynamic_batching {{
@@ -96,6 +102,8 @@ class Settings:
 
     model: str
     """Prepared model to serve: ``mobilenet_v2_onnx`` or ``mobilenet_v2`` (TorchScript)."""
+    kind: str
+    """Where the instances run: ``cpu`` (KIND_CPU) or ``gpu`` (KIND_GPU on GPU 0)."""
     seconds: float
     """Measured window of each load run."""
     warmup_s: float
@@ -173,6 +181,7 @@ def config_text(name: str, backend: str, settings: Settings, batched: bool) -> s
         input=INPUT,
         output=OUTPUT,
         instances=settings.instances,
+        kind="KIND_GPU gpus: [ 0 ]" if settings.kind == "gpu" else "KIND_CPU",
         extra=extra,
     )
 
@@ -420,7 +429,14 @@ def _noisy(others: float) -> str:
 def parse_args(argv: Sequence[str] | None) -> Settings:
     """Command-line flags -> Settings (``--quick``: short windows for a smoke run)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
-    parser.add_argument("--model", choices=sorted(MODEL_FILES), default="mobilenet_v2_onnx")
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODEL_FILES),
+        help="default: mobilenet_v2_onnx on cpu, mobilenet_v2 (TorchScript) on gpu",
+    )
+    parser.add_argument(
+        "--kind", choices=("cpu", "gpu"), default="cpu", help="KIND_CPU or KIND_GPU instances"
+    )
     parser.add_argument("--seconds", type=float, default=8.0, help="measured window per run")
     parser.add_argument("--warmup", type=float, default=2.0, help="warm-up before each window")
     parser.add_argument("--quick", action="store_true", help="3 s windows, 1 s warm-ups")
@@ -439,8 +455,12 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument("--cache", type=Path, default=None, help="models.prepare cache")
     args = parser.parse_args(argv)
     quick = args.quick
+    if args.kind == "gpu" and args.model == "mobilenet_v2_onnx":
+        parser.error("--kind gpu runs the TorchScript model (--model mobilenet_v2)")
+    default_model = "mobilenet_v2" if args.kind == "gpu" else "mobilenet_v2_onnx"
     return Settings(
-        model=args.model,
+        model=args.model or default_model,
+        kind=args.kind,
         seconds=3.0 if quick else args.seconds,
         warmup_s=1.0 if quick else args.warmup,
         floor_s=1.0 if quick else 2.5,

@@ -23,7 +23,7 @@ from common import CpuUsage, sample_cpu, settle
 
 from services.inference.main import backends
 from shared.backend import BackendInstance, ModelSpec, config_parameters
-from shared.model import instance_specs
+from shared.model import cuda_device_count, instance_specs
 from shared.repository import ModelRepository
 
 INPUT, OUTPUT = "input", "logits"
@@ -97,7 +97,7 @@ def measure_floor(spec: ModelSpec, image: np.ndarray, settings: FloorSettings) -
     ``ThreadedInstance`` does in the server (torch's thread count is set by the
     creating thread), so session options and thread counts are the server's.
     """
-    layout = instance_specs(spec.config, 0)
+    layout = instance_specs(spec.config, cuda_device_count())  # KIND_GPU: on the GPU too
     backend = backends()[spec.config.backend]
     pools = [ThreadPoolExecutor(max_workers=1) for _ in layout]
     try:
