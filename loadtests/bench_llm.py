@@ -1,0 +1,553 @@
+"""Chat streams side by side: the mesh vs vLLM's own OpenAI server vs transformers.
+
+    python loadtests/bench_llm.py [--streams 16] [--max-tokens 64] [--rounds 3]
+                                  [--probes 20] [--skip "vllm server,transformers"] [--quick]
+
+One workload (``--streams`` concurrent chat requests, each asking SmolLM2-135M-
+Instruct for a short story, greedy, ``--max-tokens`` tokens at most) sent to:
+
+- ``mesh openai``   POST /v1/chat/completions with ``stream: true`` through Envoy:
+                    Envoy -> HTTP adapter -> orchestrator -> tokenizer -> vLLM
+                    (inference service) -> detokenizer (postprocess);
+- ``mesh grpc``     meshserve.v1 Chat (server streaming) through Envoy's gRPC port;
+- ``vllm server``   ``python -m vllm.entrypoints.openai.api_server`` on the same
+                    model folder with the same engine settings (read from the
+                    model's config.pbtxt through the backend's own EngineSettings),
+                    the same /v1/chat/completions request;
+- ``transformers``  ``model.generate`` on the whole batch at once (static
+                    batching, left padding) in this process: the naive baseline.
+
+The mesh (``deploy.local.supervisor --ports auto``) and vLLM's server both start
+first and stay up (idle, each costs ~0.1 core); then each round runs every target
+once, one after the other, so the engines never compete for the cores. A round
+is one batch of concurrent streams: tokens/s is the completion tokens of every
+stream over the time from the first request to the last stream's end; TTFT is
+the time from sending a request to its first non-empty text; CPU is the whole
+machine's busy time over the round per token (server, client and all). Each
+target's fastest round (by tokens/s) is reported; TTFT percentiles pool every
+measured round. Under 16 streams TTFT is mostly the engine's prefill queue, so
+``--probes`` lone one-token requests per target measure the time the path itself
+adds. Token counts come from each server's own usage numbers (transformers: the
+tokens before end of text), so a target that stops early is not credited with
+tokens it did not make. Everything started is stopped by PID (process group) on
+exit, error or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import numpy as np
+from common import (
+    DEFAULT_REPOSITORY,
+    format_table,
+    install_sigterm_exit,
+    load_average,
+    machine_cpu_seconds,
+    missing_models,
+    running_mesh,
+)
+
+from meshserve.v1 import meshserve_pb2 as api
+from meshserve.v1 import meshserve_pb2_grpc as api_grpc
+from shared.backend import ModelSpec, config_parameters
+from shared.repository import parse_config
+
+ENGINE_MODEL = "smollm2"
+"""The vLLM model of the default repository (safetensors folder + config.pbtxt)."""
+MESH_MODEL = "llm"
+"""The mesh's streaming ensemble: tokenizer -> smollm2 -> detokenizer."""
+TARGETS = ("mesh openai", "mesh grpc", "vllm server", "transformers")
+BASELINE = "vllm server"
+
+SUBJECTS = [
+    "a lighthouse keeper who finds a message in a bottle",
+    "a robot learning to bake bread",
+    "a fox who wants to fly",
+    "two friends lost in a snowy forest",
+    "a dragon afraid of the dark",
+    "a girl who can talk to trees",
+    "a sailor and a whale",
+    "an old clock that stops time",
+    "a cat that becomes mayor of a town",
+    "a boy who builds a rocket",
+    "a library that is alive",
+    "a knight who hates fighting",
+    "a small seed that grows into a giant tree",
+    "a detective mouse",
+    "a painter who paints the wind",
+    "a city under the sea",
+]
+
+
+def prompts(count: int) -> list[str]:
+    """``count`` distinct-ish story requests (the subjects repeat beyond 16)."""
+    return [
+        f"Write a short story about {SUBJECTS[i % len(SUBJECTS)]}." + " Please." * (i // 16)
+        for i in range(count)
+    ]
+
+
+# -- one stream, one round -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamResult:
+    """One chat request, timed from its send."""
+
+    ttft_s: float
+    """Until the first non-empty text."""
+    end_s: float
+    """Until the stream ended."""
+    tokens: int
+    """Completion tokens, as the server counted them."""
+    prompt_tokens: int
+    """The rendered chat's tokens (equal across targets when the templates agree)."""
+    text: str
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """One batch of concurrent streams on one target."""
+
+    label: str
+    streams: list[StreamResult]
+    wall_s: float
+    cpu_s: float = 0.0
+    """Busy CPU seconds of the whole machine over the round."""
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.streams)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+
+StreamCall = Callable[[str, int], Awaitable[StreamResult]]
+"""Send one chat prompt with a max_tokens; returns its timings."""
+
+
+async def run_round(
+    label: str, call: StreamCall, texts: Sequence[str], max_tokens: int
+) -> RoundResult:
+    """Every prompt at once; the round ends with its last stream."""
+    started = time.perf_counter()
+    streams = await asyncio.gather(*(call(text, max_tokens) for text in texts))
+    return RoundResult(label, list(streams), time.perf_counter() - started)
+
+
+class OpenAiChat:
+    """Streamed /v1/chat/completions over one keep-alive connection per stream."""
+
+    def __init__(self, base_url: str, model: str, streams: int) -> None:
+        connector = aiohttp.TCPConnector(limit=streams)
+        timeout = aiohttp.ClientTimeout(total=600)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        self._url = f"{base_url}/chat/completions"
+        self._model = model
+
+    async def __call__(self, prompt: str, max_tokens: int) -> StreamResult:
+        body = {
+            "model": self._model,
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        started = time.perf_counter()
+        first, parts, tokens, prompt_tokens = 0.0, [], 0, 0
+        async with self._session.post(self._url, json=body) as reply:
+            if reply.status != 200:
+                raise RuntimeError(f"{self._url}: HTTP {reply.status}: {await reply.text()}")
+            async for raw in reply.content:  # one SSE line at a time
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                    prompt_tokens = chunk["usage"]["prompt_tokens"]
+                for choice in chunk.get("choices", []):
+                    piece = choice["delta"].get("content") or ""
+                    if piece and not first:
+                        first = time.perf_counter() - started
+                    parts.append(piece)
+        elapsed = time.perf_counter() - started
+        # A stream whose only token is not text (yet) counts to its end.
+        return StreamResult(first or elapsed, elapsed, tokens, prompt_tokens, "".join(parts))
+
+    async def close(self) -> None:
+        await self._session.close()
+
+
+class GrpcChat:
+    """meshserve.v1 Chat, one HTTP/2 connection shared by every stream."""
+
+    def __init__(self, address: str) -> None:
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = api_grpc.MeshServiceStub(self._channel)
+
+    async def __call__(self, prompt: str, max_tokens: int) -> StreamResult:
+        request = api.ChatRequest(
+            messages=[api.ChatMessage(role="user", content=prompt)],
+            model=MESH_MODEL,
+            sampling=api.SamplingParams(temperature=0, max_tokens=max_tokens),
+        )
+        started = time.perf_counter()
+        first, parts, tokens, prompt_tokens = 0.0, [], 0, 0
+        async for response in self._stub.Chat(request, timeout=600):
+            delta = response.delta
+            if delta.text and not first:
+                first = time.perf_counter() - started
+            parts.append(delta.text)
+            tokens = max(tokens, delta.completion_tokens)
+            prompt_tokens = max(prompt_tokens, delta.prompt_tokens)
+        elapsed = time.perf_counter() - started
+        # A stream whose only token is not text (yet) counts to its end.
+        return StreamResult(first or elapsed, elapsed, tokens, prompt_tokens, "".join(parts))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+# -- transformers: the naive baseline -------------------------------------------
+
+
+class StaticBatch:
+    """``generate`` on the whole batch at once, greedy, with a step clock."""
+
+    def __init__(self, folder: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self._torch = torch
+        self._tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+        self._model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    def run(self, texts: Sequence[str], max_tokens: int) -> RoundResult:
+        tokenizer = self._tokenizer
+        chats = [[{"role": "user", "content": text}] for text in texts]
+        rendered = tokenizer.apply_chat_template(chats, add_generation_prompt=True, tokenize=False)
+        steps: list[float] = []
+
+        def clock(input_ids: Any, scores: Any, **_: Any) -> Any:
+            # Called once per generated token (for the whole batch): never stops it.
+            steps.append(time.perf_counter())
+            return self._torch.zeros(input_ids.shape[0], dtype=self._torch.bool)
+
+        started = time.perf_counter()
+        batch = tokenizer(rendered, return_tensors="pt", padding=True, add_special_tokens=False)
+        with self._torch.inference_mode():
+            output = self._model.generate(
+                **batch,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                stopping_criteria=[clock],
+                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+            )
+        wall = time.perf_counter() - started
+        new = output[:, batch["input_ids"].shape[1] :]
+        streams = []
+        prompt_lengths = batch["attention_mask"].sum(dim=1).tolist()
+        for row, prompt_tokens in zip(new.tolist(), prompt_lengths, strict=True):
+            length = next((i for i, t in enumerate(row) if t == tokenizer.eos_token_id), len(row))
+            text = str(tokenizer.decode(row[:length], skip_special_tokens=True))
+            # Every row of a static batch gets its first token at the same step.
+            streams.append(StreamResult(steps[0] - started, wall, length, prompt_tokens, text))
+        return RoundResult("transformers", streams, wall)
+
+
+# -- vLLM's own server ---------------------------------------------------------
+
+
+def engine_flags(repository: Path) -> tuple[list[str], dict[str, str]]:
+    """vLLM server flags (and environment) equal to the mesh's engine settings."""
+    from services.inference.vllm_settings import EngineSettings
+
+    model_dir = repository / ENGINE_MODEL
+    config = parse_config(model_dir / "config.pbtxt")
+    spec = ModelSpec(ENGINE_MODEL, 1, model_dir / "1", config, config_parameters(config))
+    args = EngineSettings.from_spec(spec).engine_args(spec)
+    flags = [
+        "--model", str(args.model),
+        "--served-model-name", ENGINE_MODEL,
+        "--max-model-len", str(args.max_model_len),
+        "--max-num-seqs", str(args.max_num_seqs),
+        "--dtype", str(args.dtype),
+        "--tensor-parallel-size", str(args.tensor_parallel_size),
+        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+        "--enforce-eager" if args.enforce_eager else "--no-enforce-eager",
+        "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
+    ]  # fmt: skip
+    if args.kv_cache_memory_bytes:
+        flags += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
+    return flags, {}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def vllm_server(repository: Path, timeout_s: float = 600) -> Iterator[str]:
+    """vLLM's OpenAI server on a free port; yields its /v1 URL; stops its process group."""
+    flags, env = engine_flags(repository)
+    port = free_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    command += ["--host", "127.0.0.1", "--port", str(port), *flags]
+    with tempfile.NamedTemporaryFile(
+        "w", prefix="vllm-server-", suffix=".log", delete=False
+    ) as log:
+        proc = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,  # its own group: the engine process is stopped with it
+        )
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not _healthy(f"http://127.0.0.1:{port}/health"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = Path(log.name).read_text()[-3000:]
+                raise RuntimeError(f"vLLM's server did not start; log tail:\n{tail}")
+            time.sleep(1)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        Path(log.name).unlink(missing_ok=True)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+# -- the run -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    repository: Path
+    streams: int
+    max_tokens: int
+    rounds: int
+    probes: int
+    skip: frozenset[str]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Settings:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    parser.add_argument("--streams", type=int, default=16, help="concurrent chat streams")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per stream at most")
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per target")
+    parser.add_argument(
+        "--probes", type=int, default=20, help="lone one-token requests per target (TTFT alone)"
+    )
+    parser.add_argument(
+        "--skip", default="", help=f"comma-separated targets to leave out, of: {', '.join(TARGETS)}"
+    )
+    parser.add_argument("--quick", action="store_true", help="4 streams x 16 tokens, 1 round")
+    args = parser.parse_args(argv)
+    skip = frozenset(s.strip() for s in args.skip.split(",") if s.strip())
+    unknown = skip - set(TARGETS)
+    if unknown:
+        parser.error(f"--skip: unknown target(s) {sorted(unknown)}; expected {list(TARGETS)}")
+    if args.quick:
+        args.streams, args.max_tokens, args.rounds, args.probes = 4, 16, 1, 3
+    if min(args.streams, args.max_tokens, args.rounds) < 1 or args.probes < 0:
+        parser.error("--streams, --max-tokens and --rounds must be at least 1, --probes 0 or more")
+    repository = args.repository.expanduser()
+    return Settings(repository, args.streams, args.max_tokens, args.rounds, args.probes, skip)
+
+
+Runner = Callable[[Sequence[str], int], Awaitable[RoundResult]]
+"""Run one batch of prompts with a max_tokens on one target."""
+
+
+def _stream_runner(label: str, call: StreamCall) -> Runner:
+    async def run(texts: Sequence[str], max_tokens: int) -> RoundResult:
+        return await run_round(label, call, texts, max_tokens)
+
+    return run
+
+
+def _static_runner(static: StaticBatch) -> Runner:
+    async def run(texts: Sequence[str], max_tokens: int) -> RoundResult:
+        return static.run(texts, max_tokens)  # blocks the loop: nothing else runs meanwhile
+
+    return run
+
+
+async def measure(
+    settings: Settings, edge: str, vllm_url: str | None
+) -> tuple[list[RoundResult], list[RoundResult]]:
+    """Warm every target once, then ``rounds`` interleaved measured rounds of the
+    whole batch, then ``probes`` lone one-token requests per target (TTFT alone)."""
+    texts = prompts(settings.streams)
+    clients: dict[str, OpenAiChat | GrpcChat] = {}
+    if "mesh openai" not in settings.skip:
+        clients["mesh openai"] = OpenAiChat(f"http://{edge}/v1", MESH_MODEL, settings.streams)
+    if "mesh grpc" not in settings.skip:
+        clients["mesh grpc"] = GrpcChat(edge)
+    if vllm_url is not None:
+        clients["vllm server"] = OpenAiChat(vllm_url, ENGINE_MODEL, settings.streams)
+    runners = {label: _stream_runner(label, client) for label, client in clients.items()}
+    if "transformers" not in settings.skip:
+        runners["transformers"] = _static_runner(
+            StaticBatch(settings.repository / ENGINE_MODEL / "1")
+        )
+    rounds: list[RoundResult] = []
+    probes: list[RoundResult] = []
+    try:
+        for round_index in range(settings.rounds + 1):  # round 0 warms up
+            for label, run in runners.items():
+                done = await _timed(run, texts, settings.max_tokens)
+                _check(done, settings.max_tokens)
+                if round_index:
+                    rounds.append(done)
+                print(f"  round {round_index} {label}: {done.tokens_per_s:.1f} tok/s", flush=True)
+        for index in range(settings.probes):
+            for run in runners.values():
+                probes.append(await _timed(run, [texts[index % len(texts)]], 1))
+    finally:
+        for client in clients.values():
+            await client.close()
+    return rounds, probes
+
+
+async def _timed(run: Runner, texts: Sequence[str], max_tokens: int) -> RoundResult:
+    """``run``, with the machine's busy CPU seconds over it (idle engines add ~0)."""
+    before = machine_cpu_seconds()
+    done = await run(texts, max_tokens)
+    return dataclasses.replace(done, cpu_s=machine_cpu_seconds() - before)
+
+
+def _check(done: RoundResult, max_tokens: int) -> None:
+    empty = [i for i, s in enumerate(done.streams) if not s.tokens or not s.text.strip()]
+    if empty:
+        raise RuntimeError(f"{done.label}: streams {empty} produced no text")
+    over = [s.tokens for s in done.streams if s.tokens > max_tokens]
+    if over:
+        raise RuntimeError(f"{done.label}: streams went past max_tokens: {over}")
+
+
+def _percentiles_ms(runs: Sequence[RoundResult]) -> tuple[float, float]:
+    ttft = np.array([s.ttft_s for r in runs for s in r.streams]) * 1000
+    return float(np.percentile(ttft, 50)), float(np.percentile(ttft, 99))
+
+
+def report(rounds: Sequence[RoundResult], probes: Sequence[RoundResult], settings: Settings) -> str:
+    """The batch table (best round per target) and the lone-request TTFT table."""
+    labels = [label for label in TARGETS if any(r.label == label for r in rounds)]
+    mine = {label: [r for r in rounds if r.label == label] for label in labels}
+    best = {label: max(runs, key=lambda r: r.tokens_per_s) for label, runs in mine.items()}
+    base = best.get(BASELINE)
+    base_p50 = _percentiles_ms(mine[BASELINE])[0] if base else None
+    rows = []
+    for label in labels:
+        run = best[label]
+        p50, p99 = _percentiles_ms(mine[label])
+        rows.append(
+            [
+                label,
+                f"{run.tokens_per_s:.1f}",
+                run.tokens,
+                sum(stream.prompt_tokens for stream in run.streams),
+                f"{1000 * run.cpu_s / run.tokens:.1f}",
+                f"{p50:.0f}",
+                f"{p99:.0f}",
+                f"{run.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-",
+                f"{p50 - base_p50:+.0f}" if base_p50 is not None else "-",
+            ]
+        )
+    headers = [
+        "target",
+        "tok/s",
+        "tokens",
+        "prompt tok",
+        "CPU ms/tok",
+        "TTFT p50 ms",
+        "p99 ms",
+        "vs vllm",
+        "+TTFT p50 ms",
+    ]
+    text = (
+        f"{settings.streams} concurrent chat streams x {settings.max_tokens} tokens at most, "
+        f"greedy; tok/s and CPU (whole machine) of the fastest of {settings.rounds} round(s), "
+        f"TTFT over all of them\n{format_table(headers, rows)}"
+    )
+    if probes:
+        alone = {label: [r for r in probes if r.label == label] for label in labels}
+        base_alone = _percentiles_ms(alone[BASELINE])[0] if BASELINE in alone else None
+        rows = []
+        for label in labels:
+            p50, p99 = _percentiles_ms(alone[label])
+            added = f"{p50 - base_alone:+.1f}" if base_alone is not None else "-"
+            rows.append([label, len(alone[label]), f"{p50:.1f}", f"{p99:.1f}", added])
+        headers = ["target", "requests", "TTFT p50 ms", "p99 ms", "+TTFT p50 ms"]
+        text += (
+            f"\n\none request at a time, 1 token (TTFT without queueing)\n"
+            f"{format_table(headers, rows)}"
+        )
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_args(argv)
+    install_sigterm_exit()
+    missing = missing_models(settings.repository, [ENGINE_MODEL, MESH_MODEL])
+    if missing:
+        print(f"missing models {missing}: run python -m models.prepare first", file=sys.stderr)
+        return 2
+    print(f"load average before: {load_average()}", flush=True)
+    with contextlib.ExitStack() as stack:
+        print("starting the mesh ...", flush=True)
+        mesh = stack.enter_context(running_mesh(settings.repository, ready_timeout_s=600))
+        vllm_url = None
+        if "vllm server" not in settings.skip:
+            print("starting vLLM's OpenAI server ...", flush=True)
+            vllm_url = stack.enter_context(vllm_server(settings.repository))
+        rounds, probes = asyncio.run(measure(settings, mesh.edge, vllm_url))
+    print(report(rounds, probes, settings))
+    print(f"load average after: {load_average()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
