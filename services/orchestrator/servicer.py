@@ -19,7 +19,13 @@ from inference import grpc_service_pb2 as pb
 from services.orchestrator.ensemble import EnsemblePlan, Step, WireTensor
 from services.orchestrator.ensembles import EnsembleRegistry, is_ensemble
 from services.orchestrator.router import StageRouter
-from services.orchestrator.streaming import FINAL_PARAMETER, relay, step_request, wire_outputs
+from services.orchestrator.streaming import (
+    FINAL_PARAMETER,
+    StepStreams,
+    relay,
+    step_request,
+    wire_outputs,
+)
 from shared.errors import InvalidArgument, MeshError, NotFound, error_for_status
 from shared.repository import hosting_service
 from shared.servicer import BaseServicer, stats_to_proto
@@ -132,7 +138,15 @@ class OrchestratorServicer(BaseServicer):
             response.raw_output_contents.append(tensor.raw)
         return response
 
-    def _step_call(self, plan: EnsemblePlan, request: pb.ModelInferRequest, context: Any) -> Any:
+    def _step_call(
+        self,
+        plan: EnsemblePlan,
+        request: pb.ModelInferRequest,
+        context: Any,
+        streams: StepStreams | None = None,
+    ) -> Any:
+        """Run one step: a ModelInfer, or a message on the step's open stream."""
+
         async def call(
             step: Step, inputs: dict[str, WireTensor], outputs: list[str]
         ) -> dict[str, WireTensor]:
@@ -140,7 +154,9 @@ class OrchestratorServicer(BaseServicer):
             for key in ("priority", "timeout"):
                 if key in request.parameters:
                     sub.parameters[key].CopyFrom(request.parameters[key])
-            return wire_outputs(await self.ModelInfer(sub, context))
+            if streams is None or self.ensembles.get(step.model) is not None:
+                return wire_outputs(await self.ModelInfer(sub, context))
+            return wire_outputs(await streams.infer(step.index, sub))
 
         return call
 
@@ -166,19 +182,23 @@ class OrchestratorServicer(BaseServicer):
         """Every response to one request of a ModelStreamInfer stream."""
         plan = self.ensembles.get(request.model_name)
         if plan is not None and plan.streaming is not None:
+            streams = StepStreams(self.router, _deadline(context))
             outputs_stream = self.ensembles.stream(
                 plan,
                 wire_inputs(request),
-                self._step_call(plan, request, context),
+                self._step_call(plan, request, context, streams),
                 self._step_stream(request, context),
                 self.tracer,
             )
             previous: pb.ModelInferResponse | None = None
-            async for outputs in outputs_stream:
-                if previous is not None:
-                    previous.parameters[FINAL_PARAMETER].bool_param = False
-                    yield previous
-                previous = self._ensemble_response(plan, request, outputs)
+            try:
+                async for outputs in outputs_stream:
+                    if previous is not None:
+                        previous.parameters[FINAL_PARAMETER].bool_param = False
+                        yield previous
+                    previous = self._ensemble_response(plan, request, outputs)
+            finally:
+                streams.close()
             if previous is not None:
                 previous.parameters[FINAL_PARAMETER].bool_param = True
                 yield previous

@@ -9,6 +9,7 @@ cancels the stage call, which aborts the generation inside the engine.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,7 +18,7 @@ import grpc
 from inference import grpc_service_pb2 as pb
 from services.orchestrator.ensemble import Step, WireTensor
 from services.orchestrator.router import StageRouter
-from shared.errors import InvalidArgument, MeshError, error_for_status
+from shared.errors import InvalidArgument, MeshError, Unavailable, error_for_status
 
 FINAL_PARAMETER = "triton_final_response"
 STATUS_PARAMETER = "meshserve_status_code"
@@ -85,3 +86,80 @@ def wire_outputs(response: pb.ModelInferResponse) -> dict[str, WireTensor]:
         t.name: WireTensor(t.datatype, tuple(t.shape), raw)
         for t, raw in zip(response.outputs, response.raw_output_contents, strict=True)
     }
+
+
+class StepStreams:
+    """Open ModelStreamInfer streams that carry one generation's repeated steps.
+
+    A streaming ensemble runs the steps after its decoupled step once per
+    generated response (the detokenizer once per token). A new RPC each time
+    costs a stage server much more than one more message on an open stream
+    (measured on the detokenizer: 2.4 vs 1.7 ms CPU), so each step gets one
+    stream for the whole generation. A step runs once at a time within one
+    generation, so a stream has at most one request in flight and its next
+    message is that request's answer. Steps are stateless: a stream that breaks
+    (its replica went away) is reopened, on another replica, and the request
+    sent again, once.
+    """
+
+    def __init__(self, router: StageRouter, deadline_s: float | None) -> None:
+        self._router = router
+        self._deadline_s = deadline_s
+        self._streams: dict[int, _StepStream] = {}
+
+    async def infer(self, step: int, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        """Send ``request`` on step ``step``'s stream (opened on first use); its answer."""
+        for attempt in range(2):
+            stream = self._streams.get(step)
+            if stream is None:
+                stream = await _StepStream.open(self._router, request.model_name, self._deadline_s)
+                self._streams[step] = stream
+            try:
+                return await stream.ask(request)
+            except grpc.aio.AioRpcError as exc:
+                del self._streams[step]
+                stream.close()
+                if attempt or exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise error_for_status(exc.code(), exc.details() or "stream failed") from exc
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        """End every stream (the stages see their callers leave)."""
+        for stream in self._streams.values():
+            stream.close()
+        self._streams.clear()
+
+
+class _StepStream:
+    """One ModelStreamInfer whose requests are written one at a time."""
+
+    def __init__(self, call: Any, outgoing: asyncio.Queue[pb.ModelInferRequest | None]) -> None:
+        self._call = call
+        self._outgoing = outgoing
+
+    @classmethod
+    async def open(cls, router: StageRouter, model: str, deadline_s: float | None) -> _StepStream:
+        outgoing: asyncio.Queue[pb.ModelInferRequest | None] = asyncio.Queue()
+
+        async def requests() -> AsyncIterator[pb.ModelInferRequest]:
+            while (request := await outgoing.get()) is not None:
+                yield request
+
+        async def open_stream(stub: Any) -> Any:
+            return stub.ModelStreamInfer(requests(), timeout=deadline_s)
+
+        return cls(await router.call(model, "ModelStreamInfer", open_stream), outgoing)
+
+    async def ask(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        self._outgoing.put_nowait(request)
+        message = await self._call.read()
+        if message is grpc.aio.EOF:
+            raise Unavailable(f"model '{request.model_name}': the stage ended the stream")
+        if message.error_message:
+            raise stream_error(message)
+        response: pb.ModelInferResponse = message.infer_response
+        return response
+
+    def close(self) -> None:
+        self._outgoing.put_nowait(None)
+        self._call.cancel()
