@@ -19,7 +19,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from shared.errors import GENERIC_INTERNAL_MESSAGE, MeshError, Unavailable
-from shared.tracing import extract_context, inject_metadata
+from shared.tracing import extract_context, inject_metadata, iterate_in_context
 
 log = logging.getLogger(__name__)
 
@@ -128,18 +128,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             counted = False
             try:
                 counted = self._admit(method)
-                stream = behavior(request, context)
-                while True:
-                    # Attach the span around each step only: a generator may be
-                    # resumed in another context, and a token attached across a
-                    # yield could then not be detached.
-                    token = otel_context.attach(span_ctx)
-                    try:
-                        item = await anext(stream)
-                    except StopAsyncIteration:
-                        return
-                    finally:
-                        otel_context.detach(token)
+                async for item in iterate_in_context(span_ctx, behavior(request, context)):
                     yield item
             except BaseException as exc:
                 await _abort(context, span, exc, method)

@@ -8,8 +8,8 @@ W3C keys (``traceparent``, ``tracestate``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -19,6 +19,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+
+T = TypeVar("T")
 
 
 def make_tracer_provider(
@@ -66,3 +68,22 @@ def tracer_for(provider: trace.TracerProvider | None, name: str) -> trace.Tracer
     if provider is None:
         return trace.NoOpTracer()
     return provider.get_tracer(name)
+
+
+async def iterate_in_context(
+    ctx: otel_context.Context, stream: AsyncIterator[T]
+) -> AsyncIterator[T]:
+    """The items of ``stream``, with ``ctx`` current while each one is produced.
+
+    Only around each step: a generator may be resumed in another context, and a
+    token attached across a yield could then not be detached.
+    """
+    while True:
+        token = otel_context.attach(ctx)
+        try:
+            item = await anext(stream)
+        except StopAsyncIteration:
+            return
+        finally:
+            otel_context.detach(token)
+        yield item

@@ -16,12 +16,12 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from inference import model_config_pb2 as mc
 from shared.errors import ConfigError, InvalidArgument, MeshError, error_for_status
 from shared.tensors import config_datatype, decode_raw
+from shared.tracing import iterate_in_context
 
 
 @dataclass(frozen=True)
@@ -197,20 +197,11 @@ class EnsemblePlan:
         before = await self._execute(self.upstream, dict(inputs), call, tracer)
         step_inputs = {k: before[v] for k, v in step.input_map.items() if v in before}
         responses = stream_call(step, step_inputs, list(step.output_map))
-        # The streaming step's span covers the whole stream; it is current only
-        # while the stream is advanced, since this generator may be resumed in
-        # another context.
+        # The streaming step's span covers the whole stream (current while the
+        # stream produces, so the stage call made for it is its child).
         span = tracer.start_span(self._step_span_name(step), attributes=self._step_attributes(step))
-        span_ctx = trace.set_span_in_context(span)
         try:
-            while True:
-                token = otel_context.attach(span_ctx)
-                try:
-                    produced = await anext(responses)
-                except StopAsyncIteration:
-                    return
-                finally:
-                    otel_context.detach(token)
+            async for produced in iterate_in_context(trace.set_span_in_context(span), responses):
                 available = dict(before)
                 for out_name, tensor in step.output_map.items():
                     if out_name in produced:
