@@ -8,7 +8,7 @@ CACHE  ?= $(or $(MESHSERVE_CACHE),$(HOME)/.cache/meshserve)
 NODE_DEPS := tests/node/node_modules/.package-lock.json
 MESH   ?= deploy/local/mesh.yaml
 
-.PHONY: install models protos lint test test-fast run clean bench gpu-check
+.PHONY: install models protos lint test test-fast run clean bench bench-llm gpu-check
 
 # vLLM: the CUDA build where a GPU driver is present, else the CPU build.
 LLM_EXTRA := $(if $(shell command -v nvidia-smi 2>/dev/null),llm-cuda,llm-cpu)
@@ -59,6 +59,9 @@ run: models
 
 bench: models
 	MESHSERVE_CACHE=$(CACHE) $(PY) loadtests/bench_inference.py
+
+bench-llm: models
+	$(PY) loadtests/bench_llm.py --repository $(CACHE)/repository
 
 gpu-check: models
 	MESHSERVE_CACHE=$(CACHE) $(PY) scripts/gpu_check.py
