@@ -98,8 +98,8 @@ class StepStreams:
     stream for the whole generation. A step runs once at a time within one
     generation, so a stream has at most one request in flight and its next
     message is that request's answer. Steps are stateless: a stream that breaks
-    (its replica went away) is reopened, on another replica, and the request
-    sent again, once.
+    with UNAVAILABLE (its replica went away) is reopened, on the replica the
+    router picks then, and the request sent again, once.
     """
 
     def __init__(self, router: StageRouter, deadline_s: float | None) -> None:
