@@ -143,6 +143,26 @@ class RoundResult:
         return self.tokens / self.wall_s
 
 
+class StreamClock:
+    """Times one stream the same way for every target: TTFT at the first non-empty text."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.first = 0.0
+        self.parts: list[str] = []
+
+    def text(self, piece: str) -> None:
+        if piece and not self.first:
+            self.first = time.perf_counter() - self.started
+        self.parts.append(piece)
+
+    def result(self, tokens: int, prompt_tokens: int) -> StreamResult:
+        elapsed = time.perf_counter() - self.started
+        # A stream whose only token is not text (yet) counts to its end.
+        first = self.first or elapsed
+        return StreamResult(first, elapsed, tokens, prompt_tokens, "".join(self.parts))
+
+
 StreamCall = Callable[[str, int], Awaitable[StreamResult]]
 """Send one chat prompt with a max_tokens; returns its timings."""
 
@@ -175,8 +195,7 @@ class OpenAiChat:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        started = time.perf_counter()
-        first, parts, tokens, prompt_tokens = 0.0, [], 0, 0
+        clock, tokens, prompt_tokens = StreamClock(), 0, 0
         async with self._session.post(self._url, json=body) as reply:
             if reply.status != 200:
                 raise RuntimeError(f"{self._url}: HTTP {reply.status}: {await reply.text()}")
@@ -189,13 +208,8 @@ class OpenAiChat:
                     tokens = chunk["usage"]["completion_tokens"]
                     prompt_tokens = chunk["usage"]["prompt_tokens"]
                 for choice in chunk.get("choices", []):
-                    piece = choice["delta"].get("content") or ""
-                    if piece and not first:
-                        first = time.perf_counter() - started
-                    parts.append(piece)
-        elapsed = time.perf_counter() - started
-        # A stream whose only token is not text (yet) counts to its end.
-        return StreamResult(first or elapsed, elapsed, tokens, prompt_tokens, "".join(parts))
+                    clock.text(choice["delta"].get("content") or "")
+        return clock.result(tokens, prompt_tokens)
 
     async def close(self) -> None:
         await self._session.close()
@@ -214,18 +228,12 @@ class GrpcChat:
             model=MESH_MODEL,
             sampling=api.SamplingParams(temperature=0, max_tokens=max_tokens),
         )
-        started = time.perf_counter()
-        first, parts, tokens, prompt_tokens = 0.0, [], 0, 0
+        clock, tokens, prompt_tokens = StreamClock(), 0, 0
         async for response in self._stub.Chat(request, timeout=600):
-            delta = response.delta
-            if delta.text and not first:
-                first = time.perf_counter() - started
-            parts.append(delta.text)
-            tokens = max(tokens, delta.completion_tokens)
-            prompt_tokens = max(prompt_tokens, delta.prompt_tokens)
-        elapsed = time.perf_counter() - started
-        # A stream whose only token is not text (yet) counts to its end.
-        return StreamResult(first or elapsed, elapsed, tokens, prompt_tokens, "".join(parts))
+            clock.text(response.delta.text)
+            tokens = max(tokens, response.delta.completion_tokens)
+            prompt_tokens = max(prompt_tokens, response.delta.prompt_tokens)
+        return clock.result(tokens, prompt_tokens)
 
     async def close(self) -> None:
         await self._channel.close()
