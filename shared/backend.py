@@ -17,17 +17,23 @@ with a stream of responses, the last one ``final``.
 from __future__ import annotations
 
 import abc
+import json
 import os
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
 from inference import model_config_pb2 as mc
-from shared.errors import InvalidArgument
+from shared.errors import ConfigError, InvalidArgument
 from shared.request import InferRequest, InferResponse
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+Settings = TypeVar("Settings", bound="DataclassInstance")
 
 
 @dataclass(frozen=True)
@@ -198,3 +204,32 @@ def parameter(spec: ModelSpec, key: str, default: Any, kind: type = str) -> Any:
         raise InvalidArgument(
             f"model '{spec.name}': parameter '{key}' = {raw!r} is not a {kind.__name__}"
         ) from exc
+
+
+def parameter_settings(
+    cls: type[Settings], spec: ModelSpec, bounds: Mapping[str, tuple[float, float]]
+) -> Settings:
+    """A dataclass of config parameters, one per field (read by the field's name,
+    converted to its default's type, the default when absent), each value in
+    ``bounds`` checked; a bad value is a ConfigError naming the parameter."""
+    try:
+        settings = cls(
+            **{f.name: parameter(spec, f.name, f.default, type(f.default)) for f in fields(cls)}
+        )
+    except InvalidArgument as exc:
+        raise ConfigError(str(exc)) from exc
+    for key, (low, high) in bounds.items():
+        if not low <= getattr(settings, key) <= high:
+            raise ConfigError(f"model '{spec.name}': parameter '{key}' must be in {low}..{high}")
+    return settings
+
+
+def json_object(raw: Any, where: str) -> dict[str, Any]:
+    """One JSON object from a BYTES element; errors name ``where``."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, TypeError) as exc:  # UnicodeDecodeError and JSONDecodeError included
+        raise InvalidArgument(f"{where} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{where} must be a JSON object")
+    return value

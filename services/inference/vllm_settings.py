@@ -7,13 +7,12 @@ conversions to vLLM's own objects import it when called.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from shared.backend import ModelSpec, parameter
+from shared.backend import ModelSpec, json_object, parameter_settings
 from shared.errors import ConfigError, InvalidArgument
 
 if TYPE_CHECKING:
@@ -52,12 +51,6 @@ class EngineSettings:
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> EngineSettings:
         """Read the config parameters; a bad value is a ConfigError naming it."""
-        try:
-            settings = cls(
-                **{f.name: parameter(spec, f.name, f.default, type(f.default)) for f in fields(cls)}
-            )
-        except InvalidArgument as exc:
-            raise ConfigError(str(exc)) from exc
         bounds = {
             "max_model_len": (2, 1 << 20),
             "max_num_seqs": (1, 4096),
@@ -66,11 +59,7 @@ class EngineSettings:
             "kv_cache_space_gib": (0.0, 4096.0),
             "tensor_parallel_size": (1, 64),
         }
-        for key, (low, high) in bounds.items():
-            if not low <= getattr(settings, key) <= high:
-                raise ConfigError(
-                    f"model '{spec.name}': parameter '{key}' must be in {low}..{high}"
-                )
+        settings = parameter_settings(cls, spec, bounds)
         if settings.dtype not in get_args(DType):
             raise ConfigError(
                 f"model '{spec.name}': parameter 'dtype' must be auto, bfloat16, float16 or float32"
@@ -141,12 +130,7 @@ class Sampling:
     @classmethod
     def from_json(cls, raw: Any, where: str) -> Sampling:
         """Parse one SAMPLING element; errors name ``where`` and the field."""
-        try:
-            values = json.loads(raw)
-        except (ValueError, TypeError) as exc:  # UnicodeDecodeError and JSONDecodeError included
-            raise InvalidArgument(f"{where} is not valid JSON: {exc}") from exc
-        if not isinstance(values, dict):
-            raise InvalidArgument(f"{where} must be a JSON object")
+        values = json_object(raw, where)
         known = {f.name for f in fields(cls)} | set(_DETOKENIZER_FIELDS)
         unknown = sorted(set(values) - known)
         if unknown:

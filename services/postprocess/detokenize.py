@@ -27,7 +27,6 @@ Config parameter: ``skip_special_tokens`` (default true).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,7 +34,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from inference import model_config_pb2 as mc
-from shared.backend import InstanceSpec, ModelSpec, parameter
+from shared.backend import InstanceSpec, ModelSpec, json_object, parameter
 from shared.errors import ConfigError, InvalidArgument
 from shared.request import InferRequest, InferResponse
 
@@ -113,13 +112,7 @@ def _common_prefix(a: str, b: str) -> int:
 
 def stop_strings(raw: Any, where: str) -> list[str]:
     """The ``stop`` strings of one SAMPLING element (JSON object); [] when absent."""
-    try:
-        sampling = json.loads(raw)
-    except (ValueError, TypeError) as exc:  # UnicodeDecodeError and JSONDecodeError included
-        raise InvalidArgument(f"{where} is not valid JSON: {exc}") from exc
-    if not isinstance(sampling, dict):
-        raise InvalidArgument(f"{where} must be a JSON object")
-    stop = sampling.get("stop", [])
+    stop = json_object(raw, where).get("stop", [])
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise InvalidArgument(f"{where}.stop must be a non-empty string or a list of them")

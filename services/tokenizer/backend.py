@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ import numpy as np
 from tokenizers import Encoding, Tokenizer
 
 from inference import model_config_pb2 as mc
-from shared.backend import InstanceSpec, ModelSpec, parameter
+from shared.backend import InstanceSpec, ModelSpec, parameter_settings
 from shared.errors import ConfigError, InvalidArgument
 from shared.request import InferRequest, InferResponse
 
@@ -54,16 +54,8 @@ class TokenizerSettings:
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> TokenizerSettings:
         """Read the config parameters; a bad value is a ConfigError naming it."""
-        try:
-            settings = cls(
-                **{f.name: parameter(spec, f.name, f.default, type(f.default)) for f in fields(cls)}
-            )
-        except InvalidArgument as exc:
-            raise ConfigError(str(exc)) from exc
-        for key, high in (("max_length", 1 << 20), ("pad_to_multiple_of", 4096)):
-            if not 1 <= getattr(settings, key) <= high:
-                raise ConfigError(f"model '{spec.name}': parameter '{key}' must be in 1..{high}")
-        return settings
+        bounds = {"max_length": (1, 1 << 20), "pad_to_multiple_of": (1, 4096)}
+        return parameter_settings(cls, spec, bounds)
 
     def width(self, longest: int) -> int:
         """Padded row length for a batch whose longest row has ``longest`` tokens."""
