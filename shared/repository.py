@@ -81,12 +81,19 @@ class ModelEntry:
         return self.path / str(version)
 
 
-def parse_config(path: Path) -> mc.ModelConfig:
-    """Parse one config.pbtxt; errors name the file, line and column."""
+def read_config(path: Path) -> str:
+    """The text of one config.pbtxt."""
     try:
-        text = path.read_text()
+        return path.read_text()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+
+
+def parse_config(path: Path, text: str | None = None) -> mc.ModelConfig:
+    """Parse one config.pbtxt (``text``: its text, if read already); errors name the
+    file, line and column."""
+    if text is None:
+        text = read_config(path)
     config = mc.ModelConfig()
     try:
         text_format.Parse(text, config)
@@ -160,10 +167,18 @@ def select_versions(
 
 
 class ModelRepository:
-    """Reads a model repository folder; re-reads on every call (it may change)."""
+    """Reads a model repository folder; re-reads on every call (it may change).
+
+    A config.pbtxt is parsed again only when its text changed: RepositoryIndex
+    lists every model every few seconds (the orchestrator's discovery), and
+    parsing all of them each time kept every idle stage at ~1% of a core.
+    (The text, not the file's mtime: a config rewritten within one timestamp
+    tick must not be missed.)
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
+        self._configs: dict[Path, tuple[str, mc.ModelConfig]] = {}
 
     def names(self) -> list[str]:
         """Model folder names that hold a config.pbtxt."""
@@ -181,7 +196,24 @@ class ModelRepository:
         config_path = path / CONFIG_FILE
         if not config_path.is_file():
             raise NotFound(f"model '{name}' is not in the repository {self.root}")
-        config = parse_config(config_path)
+        config = mc.ModelConfig()
+        config.CopyFrom(self._config(name, config_path))  # callers may change their copy
+        versions = tuple(
+            sorted(
+                int(child.name)
+                for child in path.iterdir()
+                if child.is_dir() and child.name.isdigit()
+            )
+        )
+        return ModelEntry(name=name, path=path, config=config, versions_on_disk=versions)
+
+    def _config(self, name: str, config_path: Path) -> mc.ModelConfig:
+        """The parsed, validated config; from the cache while the file is unchanged."""
+        text = read_config(config_path)
+        cached = self._configs.get(config_path)
+        if cached is not None and cached[0] == text:
+            return cached[1]
+        config = parse_config(config_path, text)
         if config.name and config.name != name:
             raise ConfigError(
                 f"{config_path}: name '{config.name}' differs from its folder name '{name}'"
@@ -192,14 +224,8 @@ class ModelRepository:
             log.warning(
                 "%s: field '%s' is parsed but not supported; it has no effect", config_path, field
             )
-        versions = tuple(
-            sorted(
-                int(child.name)
-                for child in path.iterdir()
-                if child.is_dir() and child.name.isdigit()
-            )
-        )
-        return ModelEntry(name=name, path=path, config=config, versions_on_disk=versions)
+        self._configs[config_path] = (text, config)
+        return config
 
     def entries(self) -> list[ModelEntry]:
         """Every model's entry (raises on the first bad config)."""

@@ -45,6 +45,27 @@ def test_lists_models_with_a_config(tmp_path: Path) -> None:
     assert hosting_service(entry.config) == "inference"
 
 
+def test_a_rewritten_config_is_read_again_and_an_unchanged_one_is_not_reparsed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = make_model(tmp_path, "resnet", ONNX_CONFIG + "optimization {}")
+    repo = ModelRepository(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="shared.repository"):
+        first = repo.entry("resnet")
+        first.config.max_batch_size = 99  # a caller's change stays in its copy
+        assert repo.entry("resnet").config.max_batch_size == 8
+    # The unsupported-field warning comes from parsing: once for one text.
+    assert [r.getMessage() for r in caplog.records].count(
+        f"{folder / 'config.pbtxt'}: field 'optimization' is parsed but not supported; "
+        "it has no effect"
+    ) == 1
+    # Same length, written at once: a stat-based cache could miss this.
+    (folder / "config.pbtxt").write_text(
+        (ONNX_CONFIG + "optimization {}").replace("max_batch_size: 8", "max_batch_size: 4")
+    )
+    assert repo.entry("resnet").config.max_batch_size == 4
+
+
 def test_default_policy_serves_the_latest_version(tmp_path: Path) -> None:
     make_model(tmp_path, "resnet", ONNX_CONFIG, versions=(1, 3, 2, 10))
     assert ModelRepository(tmp_path).entry("resnet").selected_versions() == (10,)
