@@ -8,6 +8,10 @@ orchestrator starts with their addresses. A process that exits unexpectedly
 is restarted on the same ports with exponential backoff (reset once it has run
 a while). SIGTERM or Ctrl-C stops everything: the orchestrator first, so no
 new work reaches the stages, then the stages, each by its own PID.
+
+While a CPU engine that bound its worker to some cores is busy, the rest of
+the mesh is kept off those cores (``cpu_placement: auto``; see
+deploy/local/placement.py).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -28,10 +33,13 @@ from typing import Any
 
 import yaml
 
+from deploy.local.placement import CorePlacer, Placement
+
 READY_MARKER = "MESHSERVE_READY"
 MESH_READY_MARKER = "MESHSERVE_MESH_READY"
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "mesh.yaml"
 HEALTHY_AFTER_S = 30.0
+PLACEMENT_INTERVAL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -257,6 +265,8 @@ async def supervise(args: argparse.Namespace) -> int:
             if not await _wait_ready(group, stop, args.ready_timeout_s):
                 return 1
         _announce(orchestrator, [*managed, *edge], args.model_repository.expanduser().resolve())
+        if settings.get("cpu_placement", "auto") == "auto":
+            tasks.append(asyncio.create_task(_keep_placed([*managed, orchestrator, *edge])))
         await stop.wait()
         log("stopping the mesh")
         return 0
@@ -268,6 +278,39 @@ async def supervise(args: argparse.Namespace) -> int:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _keep_placed(processes: Sequence[ManagedProcess]) -> None:
+    """Keep the mesh off a busy CPU engine's cores (deploy/local/placement.py).
+
+    Every second the engines' CPU time is read; a change between busy and idle
+    re-places at once. A full pass (new processes and threads: restarts,
+    reloads) runs every ``PLACEMENT_INTERVAL_S``.
+    """
+    placer = CorePlacer(frozenset(os.sched_getaffinity(0)))
+    last: frozenset[int] = frozenset()
+    for tick in itertools.count():
+        full = tick % int(PLACEMENT_INTERVAL_S) == 0
+        try:
+            if full or placer.busy_changed():
+                pids = [p.proc.pid for p in processes if p.proc and p.proc.returncode is None]
+                placement = placer.place(pids)
+                if placement.service_cores != last:
+                    last = placement.service_cores
+                    log(_describe(placement))
+        except Exception as exc:  # /proc races are suppressed inside; anything else is a bug
+            log(f"CPU placement stopped: {exc!r}")
+            return
+        await asyncio.sleep(1.0)
+
+
+def _describe(placement: Placement) -> str:
+    if placement.service_cores:
+        return (
+            f"CPU placement: the engine on cores {sorted(placement.engine_cores)} is busy; "
+            f"the rest of the mesh runs on {sorted(placement.service_cores)}"
+        )
+    return "CPU placement: every process may use every core"
 
 
 async def _wait_ready(

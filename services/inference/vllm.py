@@ -172,8 +172,16 @@ def _check_device(spec: ModelSpec, instance: InstanceSpec) -> None:
 class VllmInstance:
     """One AsyncLLM engine serving one model version."""
 
-    def __init__(self, spec: ModelSpec, instance: InstanceSpec, metrics: LlmMetrics) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        instance: InstanceSpec,
+        metrics: LlmMetrics,
+        cores: frozenset[int] = frozenset(),
+    ) -> None:
         self.spec = spec
+        self.cores = cores
+        """Cores the engine's processes may use (the service's at start; empty: as is)."""
         self.settings = EngineSettings.from_spec(spec)
         _prepare_environment()
         _check_device(spec, instance)  # imports vllm (seconds): we are in a worker thread
@@ -191,7 +199,9 @@ class VllmInstance:
         loggers = [_stats_logger_factory(self._record_scheduler)]
         # No local holds the engine: a frame kept alive by someone's stored
         # traceback would keep it past close() (see close()).
-        self._engine = await _build_engine(self.settings.engine_args(self.spec), loggers)
+        self._engine = await _build_engine(
+            self.settings.engine_args(self.spec), loggers, self.cores
+        )
         self._vocab_size = self._engine.model_config.get_vocab_size()
         for gauge, read in zip(self.metrics.gauges, self._gauge_readers(), strict=True):
             gauge.labels(*self.labels).set_function(read)
@@ -335,14 +345,24 @@ def _response(generated: list[int], new: int, finish: str, prompt_tokens: int) -
     )
 
 
-async def _build_engine(args: AsyncEngineArgs, loggers: list[Any]) -> AsyncLLM:
+async def _build_engine(
+    args: AsyncEngineArgs, loggers: list[Any], cores: frozenset[int]
+) -> AsyncLLM:
     """AsyncLLM.from_engine_args in a worker thread (it blocks for the whole start-up)."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    def build() -> AsyncLLM:
+        # The engine's processes are spawned from this thread and inherit its
+        # cores. The local supervisor may have narrowed them to keep the mesh
+        # off a CPU worker's cores (deploy/local/placement.py); a new engine
+        # must be free to bind its worker anywhere the service could at start.
+        if cores:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, cores)
+        return AsyncLLM.from_engine_args(args, stat_loggers=loggers)
+
     loop = asyncio.get_running_loop()
-    building = loop.run_in_executor(
-        None, lambda: AsyncLLM.from_engine_args(args, stat_loggers=loggers)
-    )
+    building = loop.run_in_executor(None, build)
     try:
         return await asyncio.shield(building)
     except asyncio.CancelledError:
@@ -390,6 +410,8 @@ class VllmBackend:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry
+        self.cores = frozenset(os.sched_getaffinity(0))
+        """The cores this service started with: every engine it builds may use them."""
         self._metrics: LlmMetrics | None = None
         self._lock = threading.Lock()
 
@@ -409,4 +431,4 @@ class VllmBackend:
 
     def create_streaming_instance(self, model: ModelSpec, instance: InstanceSpec) -> VllmInstance:
         """Check the settings and import vLLM (in a worker thread); ``start`` loads it."""
-        return VllmInstance(model, instance, self.metrics())
+        return VllmInstance(model, instance, self.metrics(), self.cores)

@@ -1,0 +1,173 @@
+"""Keep the mesh off the cores a CPU engine has bound its compute threads to.
+
+On a CPU-only host vLLM starts its model worker with OpenMP threads bound one
+per core (``VLLM_CPU_OMP_THREADS_BIND``, "auto" by default) and leaves the
+other cores to the serving side, but nothing keeps the serving side away: the
+kernel runs the orchestrator, the stages, Envoy and vLLM's own spinning
+scheduler process on the worker's cores too, and every such slice stalls the
+worker, which sets the pace of every stream. Measured on a 2-core box (16 chat
+streams x 64 tokens): ~49 tok/s with the mesh anywhere, ~52 with it kept off
+the worker's core.
+
+A pass (``CorePlacer.place``) finds the *bound* processes among the mesh's
+descendants: those whose OpenMP threads are bound (the binding is in their
+environment) to fewer cores than the supervisor may use. While they are busy
+(more than a quarter of their cores' time since the last look), every other
+thread of the mesh is allowed only the cores they do not use; once they are
+idle, every core again, so an idle LLM does not take a core from the image
+models beside it. A model loaded later spawns its engine from a thread that
+may have been narrowed; the vLLM backend widens that thread first (see
+services/inference/vllm.py). On GPU hosts nothing is bound, so a pass changes
+nothing; nor does it where the bound processes use every core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it, from /proc/<pid>/task/*/children."""
+    found, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        found.append(current)
+        for task in _tasks(current):
+            with contextlib.suppress(OSError):
+                pending += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def _tasks(pid: int) -> list[Path]:
+    try:
+        return list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return []
+
+
+def _affinity(tid: int) -> frozenset[int] | None:
+    try:
+        return frozenset(os.sched_getaffinity(tid))
+    except OSError:  # gone meanwhile
+        return None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What one pass found and did."""
+
+    engine_cores: frozenset[int]
+    """Cores the bound processes use."""
+    service_cores: frozenset[int]
+    """Cores the rest of the mesh is kept on (empty: it may use every core)."""
+    moved: int
+    """Threads whose allowed cores changed in this pass."""
+
+
+class CorePlacer:
+    """Passes over one process tree; remembers what it moved and the engines' CPU time."""
+
+    def __init__(self, all_cores: frozenset[int], busy_share: float = 0.25) -> None:
+        self.all_cores = all_cores
+        self.busy_share = busy_share
+        """Share of its cores a bound process must use between passes to count as busy."""
+        self._moved: set[tuple[int, int]] = set()
+        """(pid, start time) of processes a pass narrowed: never taken for bound ones."""
+        self._bound: dict[int, frozenset[int]] = {}
+        self._sample: tuple[float, float] | None = None  # (wall, CPU seconds of the bound)
+        self.busy = False
+        self._measured = False
+
+    def place(self, roots: Iterable[int]) -> Placement:
+        """Find the bound processes under ``roots``; keep every other thread off their
+        cores while they are busy, and let it use every core again once they are idle."""
+        processes = {pid: _started(pid) for root in roots for pid in descendants(root)}
+        self._moved &= set(processes.items())
+        bound = {
+            pid: cores
+            for pid, started in processes.items()
+            if (cores := _affinity(pid)) is not None
+            and cores < self.all_cores
+            and (pid, started) not in self._moved
+            and _binds_openmp(pid)
+        }
+        if bound.keys() != self._bound.keys():
+            self._bound, self._sample = bound, None
+        self.busy = self._engines_busy()
+        engine = frozenset().union(*bound.values())
+        service = self.all_cores - engine
+        target = service if (self.busy and engine and service) else self.all_cores
+        moved = 0
+        for pid, started in processes.items():
+            if pid in bound:
+                continue
+            if target != self.all_cores:
+                self._moved.add((pid, started))
+            elif (pid, started) not in self._moved:
+                continue  # never narrowed by us: not ours to widen
+            for task in _tasks(pid):
+                tid = int(task.name)
+                if _affinity(tid) != target:
+                    with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                        os.sched_setaffinity(tid, target)
+                        moved += 1
+        return Placement(engine, target if target != self.all_cores else frozenset(), moved)
+
+    def busy_changed(self) -> bool:
+        """Whether the bound processes went busy or idle since the last pass (cheap:
+        reads their CPU time only)."""
+        return bool(self._bound) and self._engines_busy() != self.busy
+
+    def _engines_busy(self) -> bool:
+        """True when the bound processes used more than ``busy_share`` of their cores
+        over the last half second or more (the first look only starts the clock)."""
+        now = (time.monotonic(), sum(_cpu_seconds(pid) for pid in self._bound))
+        if self._sample is None:
+            self._sample = now
+            return self.busy
+        if now[0] - self._sample[0] < MIN_WINDOW_S:
+            return self._measured  # a look just now (busy_changed, then place)
+        (then, used), self._sample = self._sample, now
+        cores = len(frozenset().union(*self._bound.values()))
+        self._measured = (now[1] - used) / (now[0] - then) > self.busy_share * cores
+        return self._measured
+
+
+MIN_WINDOW_S = 0.5
+"""Shortest time over which the engines' CPU use is judged (/proc counts in 10 ms ticks)."""
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid``'s threads; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+# Set in a process's environment by whoever binds its OpenMP threads (vLLM sets
+# the first, or one of the others when it finds GNU or Intel OpenMP preloaded).
+_OPENMP_BINDING = (b"OMP_PLACES=", b"GOMP_CPU_AFFINITY=", b"KMP_AFFINITY=")
+
+
+def _binds_openmp(pid: int) -> bool:
+    try:
+        environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(item.startswith(_OPENMP_BINDING) for item in environment)
+
+
+def _started(pid: int) -> int:
+    """Start time (clock ticks after boot), to tell a process from a later one with its PID."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return -1

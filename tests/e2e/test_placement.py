@@ -1,0 +1,111 @@
+"""In the default mesh, vLLM's CPU worker has its cores to itself while it generates."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deploy.local.placement import descendants
+
+ALL_CORES = frozenset(os.sched_getaffinity(0))
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _threads(pid: int) -> dict[int, frozenset[int]]:
+    cores = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            cores[int(task.name)] = frozenset(os.sched_getaffinity(int(task.name)))
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return cores
+
+
+def _wait_for(check: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def _long_chat(base_url: str, done: threading.Event, stop: threading.Event) -> None:
+    body = {
+        "model": "llm",
+        "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
+    request = urllib.request.Request(
+        f"{base_url}/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            for _ in response:  # until its end, or until the test has seen enough
+                if stop.is_set():
+                    break
+    finally:
+        done.set()
+
+
+@pytest.mark.skipif(len(ALL_CORES) < 2, reason="placement needs 2 cores or more")
+def test_the_mesh_keeps_off_a_generating_vllm_workers_cores(mesh: dict[str, Any]) -> None:
+    roots = [item["pid"] for item in mesh["processes"].values()]
+    inference = mesh["processes"]["inference-0"]["pid"]
+    workers = [pid for pid in descendants(inference) if "Worker" in _comm(pid)]
+    assert workers, "no vLLM worker process under the inference service"
+    engine = frozenset().union(*(c for pid in workers for c in _threads(pid).values()))
+    if engine == ALL_CORES:
+        pytest.skip("this vLLM build binds no cores (a GPU build)")
+
+    def crowding() -> dict[tuple[int, str, int], list[int]]:
+        """Mesh threads (not the worker's) allowed on the worker's cores."""
+        return {
+            (pid, _comm(pid), tid): sorted(cores & engine)
+            for root in roots
+            for pid in descendants(root)
+            if pid not in workers
+            for tid, cores in _threads(pid).items()
+            if cores & engine
+        }
+
+    orchestrator = mesh["processes"]["orchestrator"]["pid"]
+
+    def placed() -> bool:
+        return not frozenset(os.sched_getaffinity(orchestrator)) & engine
+
+    # Idle, every process may use every core (an idle LLM takes no core away).
+    assert _wait_for(lambda: not placed(), 15)
+    done, stop = threading.Event(), threading.Event()
+    edge = mesh["processes"]["envoy"]["grpc"]
+    chat = threading.Thread(target=_long_chat, args=(f"http://{edge}/v1", done, stop))
+    chat.start()
+    try:
+        # The supervisor looks every second; placing all threads takes a pass.
+        in_time = _wait_for(lambda: done.is_set() or not crowding(), 20)
+        left = crowding()
+        assert in_time and not done.is_set(), "the generation ended before the mesh was placed"
+        assert not left, f"mesh threads allowed on the worker's cores {sorted(engine)}: {left}"
+    finally:
+        stop.set()  # closing the stream aborts the generation
+        chat.join(150)
+    # Idle again: the mesh gets every core back.
+    assert _wait_for(lambda: not placed(), 15)

@@ -1,0 +1,140 @@
+"""CPU placement: while an OpenMP-bound worker is busy, the mesh's threads leave its cores."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from deploy.local.placement import MIN_WINDOW_S, CorePlacer
+
+ALL_CORES = frozenset(os.sched_getaffinity(0))
+pytestmark = pytest.mark.skipif(len(ALL_CORES) < 2, reason="placement needs 2 cores or more")
+
+# A stand-in for an engine worker: binds itself to one core (argv[1], or stays
+# unbound when it is -1), starts a few threads, then computes while its stdin
+# says "busy" and sleeps after "idle".
+WORKER = """
+import os, sys, threading, time
+core = int(sys.argv[1])
+if core >= 0:
+    os.sched_setaffinity(0, {core})
+state = {"busy": False}
+def listen():
+    for line in sys.stdin:
+        state["busy"] = line.strip() == "busy"
+        print(line.strip(), flush=True)
+threading.Thread(target=listen, daemon=True).start()
+for _ in range(2):
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+print("ready", flush=True)
+while True:
+    if not state["busy"]:
+        time.sleep(0.01)
+"""
+
+
+class Worker:
+    def __init__(self, core: int, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(core)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **env},
+        )
+        self.pid = self.proc.pid
+        self.expect("ready")
+
+    def expect(self, line: str) -> None:
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == line
+
+    def tell(self, state: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(state + "\n")
+        self.proc.stdin.flush()
+        self.expect(state)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def workers() -> Iterator[list[Worker]]:
+    started: list[Worker] = []
+    yield started
+    for worker in started:
+        worker.stop()
+
+
+def thread_cores(pid: int) -> set[frozenset[int]]:
+    return {
+        frozenset(os.sched_getaffinity(int(task.name)))
+        for task in Path(f"/proc/{pid}/task").iterdir()
+    }
+
+
+def look_again(placer: CorePlacer, roots: list[int]) -> tuple[frozenset[int], int]:
+    """One pass after a window long enough to judge the engine's CPU use."""
+    time.sleep(MIN_WINDOW_S + 0.3)
+    placement = placer.place(roots)
+    return placement.service_cores, placement.moved
+
+
+def test_the_mesh_leaves_a_busy_workers_core_and_comes_back_when_it_idles(
+    workers: list[Worker],
+) -> None:
+    engine_core = min(ALL_CORES)
+    rest = ALL_CORES - {engine_core}
+    engine = Worker(engine_core, {"OMP_PLACES": f"{{{engine_core}}}"})
+    pinned = Worker(engine_core, {})  # narrowed by someone, not an OpenMP binding: moved too
+    plain = Worker(-1, {})
+    workers += [engine, pinned, plain]
+    roots = [engine.pid, pinned.pid, plain.pid]
+
+    placer = CorePlacer(ALL_CORES)
+    first = placer.place(roots)  # starts the clock on the engine's CPU time
+    assert (first.engine_cores, first.service_cores, first.moved) == (
+        {engine_core},
+        frozenset(),
+        0,
+    )
+    assert look_again(placer, roots) == (frozenset(), 0)  # idle: nothing moves
+
+    engine.tell("busy")
+    service, moved = look_again(placer, roots)
+    assert service == rest
+    assert moved >= 8  # every thread of the two other processes (4 + 4 at least)
+    assert thread_cores(engine.pid) == {frozenset({engine_core})}
+    assert thread_cores(pinned.pid) == {rest}
+    assert thread_cores(plain.pid) == {rest}
+    # Still busy: the moved processes (narrower than all cores now) are not
+    # taken for bound ones, and nothing moves again.
+    assert look_again(placer, roots) == (rest, 0)
+
+    engine.tell("idle")
+    time.sleep(MIN_WINDOW_S)
+    assert placer.busy_changed()
+    assert look_again(placer, roots)[0] == frozenset()
+    assert thread_cores(plain.pid) == {ALL_CORES}
+    assert thread_cores(pinned.pid) == {ALL_CORES}
+    assert thread_cores(engine.pid) == {frozenset({engine_core})}
+
+
+def test_a_busy_process_that_binds_nothing_moves_nothing(workers: list[Worker]) -> None:
+    asked = Worker(-1, {"OMP_PLACES": "{0}"})  # the binding asked for, never made
+    every_core = Worker(-1, {"OMP_PLACES": "{0,1}"})  # bound to all: no core to keep free
+    plain = Worker(-1, {})
+    workers += [asked, every_core, plain]
+    asked.tell("busy")
+    every_core.tell("busy")
+    placer = CorePlacer(ALL_CORES)
+    placer.place([asked.pid, every_core.pid, plain.pid])
+    assert look_again(placer, [asked.pid, every_core.pid, plain.pid]) == (frozenset(), 0)
+    assert thread_cores(plain.pid) == {ALL_CORES}
