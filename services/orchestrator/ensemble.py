@@ -209,7 +209,7 @@ class EnsemblePlan:
                 available = await self._execute(self.downstream, available, call, tracer)
                 outputs = {name: available[name] for name in self.io.outputs if name in available}
                 yield outputs
-                if _finished(outputs.get(FINISH_TENSOR)):
+                if is_finished(outputs.get(FINISH_TENSOR)):
                     return  # closing the stream below cancels the generation upstream
         except Exception as exc:
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
@@ -383,7 +383,7 @@ def _downstream(steps: list[Step], source: Step) -> list[Step]:
     return [s for s in steps if s in found]
 
 
-def _finished(tensor: WireTensor | None) -> bool:
+def is_finished(tensor: WireTensor | None) -> bool:
     """True when a FINISH_REASON tensor holds a non-empty reason."""
     if tensor is None or tensor.datatype != "BYTES":
         return False

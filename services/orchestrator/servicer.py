@@ -16,7 +16,13 @@ import grpc
 from opentelemetry import trace
 
 from inference import grpc_service_pb2 as pb
-from services.orchestrator.ensemble import EnsemblePlan, Step, WireTensor
+from services.orchestrator.ensemble import (
+    FINISH_TENSOR,
+    EnsemblePlan,
+    Step,
+    WireTensor,
+    is_finished,
+)
 from services.orchestrator.ensembles import EnsembleRegistry, is_ensemble
 from services.orchestrator.router import StageRouter
 from services.orchestrator.streaming import (
@@ -190,18 +196,24 @@ class OrchestratorServicer(BaseServicer):
                 self._step_stream(request, context),
                 self.tracer,
             )
-            previous: pb.ModelInferResponse | None = None
+            # Each response goes out as soon as it is made; the one that carries a
+            # finish reason is the last and says so. (Holding each back until the
+            # next came, to flag the last, delayed every token by one engine step.)
+            last = False
             try:
                 async for outputs in outputs_stream:
-                    if previous is not None:
-                        previous.parameters[FINAL_PARAMETER].bool_param = False
-                        yield previous
-                    previous = self._ensemble_response(plan, request, outputs)
+                    response = self._ensemble_response(plan, request, outputs)
+                    last = is_finished(outputs.get(FINISH_TENSOR))
+                    response.parameters[FINAL_PARAMETER].bool_param = last
+                    yield response
             finally:
                 streams.close()
-            if previous is not None:
-                previous.parameters[FINAL_PARAMETER].bool_param = True
-                yield previous
+            if not last:  # ended without a finish reason: a final response without outputs
+                final = pb.ModelInferResponse(
+                    model_name=plan.name, model_version="1", id=request.id
+                )
+                final.parameters[FINAL_PARAMETER].bool_param = True
+                yield final
             return
         if plan is None and await self._is_decoupled(request.model_name):
             async for response in relay(self.router, request, _deadline(context)):

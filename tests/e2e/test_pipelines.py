@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -145,3 +147,33 @@ def test_one_trace_covers_every_stage(mesh: dict[str, Any], otlp: OtlpReceiver) 
             assert step.name.startswith("ensemble step")
             assert step.parent_id == servers["orchestrator"].span_id
             assert "meshserve.queue_us" in servers[stage].attributes
+
+
+def test_llm_ensemble_sends_each_token_as_it_comes(mesh: dict[str, Any]) -> None:
+    messages = json.dumps([{"role": "user", "content": "Write a short story about a robot learning to bake bread."}])
+    request = pb.ModelInferRequest(model_name="llm")
+    encode_inputs(
+        request,
+        {
+            "MESSAGES": np.array([messages.encode()], dtype=object),
+            "SAMPLING": np.array([b'{"temperature": 0, "max_tokens": 12}'], dtype=object),
+        },
+    )
+    arrivals: list[float] = []
+    responses: list[pb.ModelInferResponse] = []
+    with grpc.insecure_channel(mesh["orchestrator"]) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for message in stub.ModelStreamInfer(iter([request]), timeout=120):
+            assert not message.error_message
+            arrivals.append(time.perf_counter())
+            responses.append(message.infer_response)
+    finals = [r.parameters["triton_final_response"].bool_param for r in responses]
+    assert finals == [False] * (len(responses) - 1) + [True]
+    last = decode_outputs(responses[-1])
+    assert bytes(last["FINISH_REASON"].reshape(-1)[0]) == b"length"
+    assert int(last["COMPLETION_TOKENS"].reshape(-1)[0]) == 12 == len(responses)
+    # One response per engine step, sent when made: the last token is not
+    # held back until the stream ends (it came one step after the one before,
+    # as every token did), nor is any token held until the next one exists.
+    gaps = np.diff(arrivals)
+    assert gaps[-1] > np.median(gaps[:-1]) / 3, gaps
