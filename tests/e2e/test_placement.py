@@ -15,6 +15,8 @@ import pytest
 
 from deploy.local.placement import descendants
 
+pytestmark = pytest.mark.e2e
+
 ALL_CORES = frozenset(os.sched_getaffinity(0))
 
 
