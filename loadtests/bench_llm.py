@@ -18,8 +18,9 @@ Instruct for a short story, greedy, ``--max-tokens`` tokens at most) sent to:
                     batching, left padding) in this process: the naive baseline.
 
 The mesh (``deploy.local.supervisor --ports auto``) and vLLM's server both start
-first and stay up (idle, each costs ~0.1 core); then each round runs every target
-once, one after the other, so the engines never compete for the cores. A round
+first and stay up (idle); then each round runs every target once, one after the
+other, each after a pause (``QUIET_S``) that lets the other engine go idle, so
+the engines never compete for the cores. A round
 is one batch of concurrent streams: tokens/s is the completion tokens of every
 stream over the time from the first request to the last stream's end; TTFT is
 the time from sending a request to its first non-empty text; CPU is the whole
@@ -77,6 +78,12 @@ MESH_MODEL = "llm"
 """The mesh's streaming ensemble: tokenizer -> smollm2 -> detokenizer."""
 TARGETS = ("mesh openai", "mesh grpc", "vllm server", "transformers")
 BASELINE = "vllm server"
+QUIET_S = 1.5
+"""Pause before each measured run. After its last step a vLLM engine keeps polling
+its shared-memory queues for 1 s (busy-waiting), and both engines' CPU workers
+are bound to the same core: a run that starts while the other engine still
+polls loses that core to it (seen: a lone 1-token request at 1.3 s instead of
+0.39 s). Every run starts with both engines idle."""
 
 SUBJECTS = [
     "a lighthouse keeper who finds a message in a bottle",
@@ -461,6 +468,7 @@ async def measure(
 
 async def _timed(run: Runner, texts: Sequence[str], max_tokens: int) -> RoundResult:
     """``run``, with the machine's busy CPU seconds over it (idle engines add ~0)."""
+    await asyncio.sleep(QUIET_S)
     before = machine_cpu_seconds()
     done = await run(texts, max_tokens)
     return dataclasses.replace(done, cpu_s=machine_cpu_seconds() - before)
