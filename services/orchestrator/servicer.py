@@ -201,6 +201,10 @@ class OrchestratorServicer(BaseServicer):
             # next came, to flag the last, delayed every token by one engine step.)
             last = False
             try:
+                # Nested ensembles run here (ModelInfer); the other steps stream.
+                await streams.open(
+                    s for s in plan.downstream if self.ensembles.get(s.model) is None
+                )
                 async for outputs in outputs_stream:
                     response = self._ensemble_response(plan, request, outputs)
                     last = is_finished(outputs.get(FINISH_TENSOR))

@@ -10,7 +10,7 @@ cancels the stage call, which aborts the generation inside the engine.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import grpc
@@ -122,6 +122,15 @@ class StepStreams:
                 if attempt or exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise error_for_status(exc.code(), exc.details() or "stream failed") from exc
         raise AssertionError("unreachable")
+
+    async def open(self, steps: Iterable[Step]) -> None:
+        """Open the streams of ``steps`` now: a stage sets a stream up while the
+        generation starts, instead of when the first token is waiting for it."""
+        for step in steps:
+            if step.index not in self._streams:
+                self._streams[step.index] = await _StepStream.open(
+                    self._router, step.model, self._deadline_s
+                )
 
     def close(self) -> None:
         """End every stream (the stages see their callers leave)."""
