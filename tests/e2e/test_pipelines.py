@@ -150,7 +150,8 @@ def test_one_trace_covers_every_stage(mesh: dict[str, Any], otlp: OtlpReceiver) 
 
 
 def test_llm_ensemble_sends_each_token_as_it_comes(mesh: dict[str, Any]) -> None:
-    messages = json.dumps([{"role": "user", "content": "Write a short story about a robot learning to bake bread."}])
+    prompt = "Write a short story about a robot learning to bake bread."
+    messages = json.dumps([{"role": "user", "content": prompt}])
     request = pb.ModelInferRequest(model_name="llm")
     encode_inputs(
         request,
