@@ -12,11 +12,12 @@ the worker's core.
 A pass (``CorePlacer.place``) finds the *bound* processes among the mesh's
 descendants: those whose OpenMP threads are bound (the binding is in their
 environment) to fewer cores than the supervisor may use. While they are busy
-(more than a quarter of their cores' time since the last look), every other
-thread of the mesh is allowed only the cores they do not use; once they are
-idle, every core again, so an idle LLM does not take a core from the image
-models beside it. A model loaded later spawns its engine from a thread that
-may have been narrowed; the vLLM backend widens that thread first (see
+(``BusyRule``: over half their cores' time in the last 3 s, until it falls
+under a tenth), every other thread of the mesh is allowed only the cores they
+do not use; once they are idle, every core again, so an idle LLM does not
+take a core from the image models beside it, and lone short requests move
+nothing. A model loaded later spawns its engine from a thread that may have
+been narrowed; the vLLM backend widens that thread first (see
 services/inference/vllm.py). On GPU hosts nothing is bound, so a pass changes
 nothing; nor does it where the bound processes use every core.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,19 +71,31 @@ class Placement:
     """Threads whose allowed cores changed in this pass."""
 
 
+@dataclass(frozen=True)
+class BusyRule:
+    """When the bound processes count as busy: their share of their cores' time
+    over the last ``window_s``, with hysteresis so that lone short requests do
+    not move every thread of the mesh back and forth."""
+
+    window_s: float = 3.0
+    """How far back the share is measured."""
+    engage: float = 0.5
+    """Idle -> busy above this share (16 streams keep the worker near 1.0)."""
+    release: float = 0.1
+    """Busy -> idle below this share."""
+
+
 class CorePlacer:
     """Passes over one process tree; remembers what it moved and the engines' CPU time."""
 
-    def __init__(self, all_cores: frozenset[int], busy_share: float = 0.25) -> None:
+    def __init__(self, all_cores: frozenset[int], rule: BusyRule = BusyRule()) -> None:
         self.all_cores = all_cores
-        self.busy_share = busy_share
-        """Share of its cores a bound process must use between passes to count as busy."""
+        self.rule = rule
         self._moved: set[tuple[int, int]] = set()
         """(pid, start time) of processes a pass narrowed: never taken for bound ones."""
         self._bound: dict[int, frozenset[int]] = {}
-        self._sample: tuple[float, float] | None = None  # (wall, CPU seconds of the bound)
+        self._samples: deque[tuple[float, float]] = deque()  # (wall, CPU s of the bound)
         self.busy = False
-        self._measured = False
 
     def place(self, roots: Iterable[int]) -> Placement:
         """Find the bound processes under ``roots``; keep every other thread off their
@@ -97,7 +111,8 @@ class CorePlacer:
             and _binds_openmp(pid)
         }
         if bound.keys() != self._bound.keys():
-            self._bound, self._sample = bound, None
+            self._bound = bound
+            self._samples.clear()
         self.busy = self._engines_busy()
         engine = frozenset().union(*bound.values())
         service = self.all_cores - engine
@@ -124,22 +139,28 @@ class CorePlacer:
         return bool(self._bound) and self._engines_busy() != self.busy
 
     def _engines_busy(self) -> bool:
-        """True when the bound processes used more than ``busy_share`` of their cores
-        over the last half second or more (the first look only starts the clock)."""
+        """Busy or idle by ``rule``, from a new sample of the bound processes' CPU time."""
+        if not self._bound:
+            return False
         now = (time.monotonic(), sum(_cpu_seconds(pid) for pid in self._bound))
-        if self._sample is None:
-            self._sample = now
-            return self.busy
-        if now[0] - self._sample[0] < MIN_WINDOW_S:
-            return self._measured  # a look just now (busy_changed, then place)
-        (then, used), self._sample = self._sample, now
+        samples = self._samples
+        if samples and now[0] - samples[-1][0] < MIN_SAMPLE_GAP_S:
+            samples.pop()  # a look just now (busy_changed, then place): this one replaces it
+        samples.append(now)
+        while len(samples) > 2 and now[0] - samples[1][0] >= self.rule.window_s:
+            samples.popleft()
+        (then, used) = samples[0]
+        if now[0] - then < MIN_WINDOW_S:
+            return self.busy  # too short to judge (/proc counts in 10 ms ticks)
         cores = len(frozenset().union(*self._bound.values()))
-        self._measured = (now[1] - used) / (now[0] - then) > self.busy_share * cores
-        return self._measured
+        share = (now[1] - used) / (now[0] - then) / cores
+        return share > (self.rule.release if self.busy else self.rule.engage)
 
 
 MIN_WINDOW_S = 0.5
-"""Shortest time over which the engines' CPU use is judged (/proc counts in 10 ms ticks)."""
+"""Shortest time over which the engines' CPU use is judged."""
+MIN_SAMPLE_GAP_S = 0.2
+"""Samples closer than this replace the previous one."""
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.local.placement import MIN_WINDOW_S, CorePlacer
+from deploy.local.placement import BusyRule, CorePlacer
 
 ALL_CORES = frozenset(os.sched_getaffinity(0))
 pytestmark = pytest.mark.skipif(len(ALL_CORES) < 2, reason="placement needs 2 cores or more")
@@ -80,9 +80,13 @@ def thread_cores(pid: int) -> set[frozenset[int]]:
     }
 
 
+# A short window keeps the test short; the thresholds are the supervisor's.
+RULE = BusyRule(window_s=1.0)
+
+
 def look_again(placer: CorePlacer, roots: list[int]) -> tuple[frozenset[int], int]:
     """One pass after a window long enough to judge the engine's CPU use."""
-    time.sleep(MIN_WINDOW_S + 0.3)
+    time.sleep(RULE.window_s + 0.2)
     placement = placer.place(roots)
     return placement.service_cores, placement.moved
 
@@ -98,7 +102,7 @@ def test_the_mesh_leaves_a_busy_workers_core_and_comes_back_when_it_idles(
     workers += [engine, pinned, plain]
     roots = [engine.pid, pinned.pid, plain.pid]
 
-    placer = CorePlacer(ALL_CORES)
+    placer = CorePlacer(ALL_CORES, RULE)
     first = placer.place(roots)  # starts the clock on the engine's CPU time
     assert (first.engine_cores, first.service_cores, first.moved) == (
         {engine_core},
@@ -119,7 +123,7 @@ def test_the_mesh_leaves_a_busy_workers_core_and_comes_back_when_it_idles(
     assert look_again(placer, roots) == (rest, 0)
 
     engine.tell("idle")
-    time.sleep(MIN_WINDOW_S)
+    time.sleep(RULE.window_s + 0.2)
     assert placer.busy_changed()
     assert look_again(placer, roots)[0] == frozenset()
     assert thread_cores(plain.pid) == {ALL_CORES}
@@ -134,7 +138,7 @@ def test_a_busy_process_that_binds_nothing_moves_nothing(workers: list[Worker]) 
     workers += [asked, every_core, plain]
     asked.tell("busy")
     every_core.tell("busy")
-    placer = CorePlacer(ALL_CORES)
+    placer = CorePlacer(ALL_CORES, RULE)
     placer.place([asked.pid, every_core.pid, plain.pid])
     assert look_again(placer, [asked.pid, every_core.pid, plain.pid]) == (frozenset(), 0)
     assert thread_cores(plain.pid) == {ALL_CORES}
