@@ -9,10 +9,11 @@ bounds every step, and a cancelled caller cancels every step in flight.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from inference import grpc_service_pb2 as pb
@@ -166,11 +167,28 @@ class OrchestratorServicer(BaseServicer):
 
         return call
 
-    def _step_stream(self, request: pb.ModelInferRequest, context: Any) -> Any:
+    def _step_stream(
+        self,
+        request: pb.ModelInferRequest,
+        context: Any,
+        streams: StepStreams | None = None,
+        later: Sequence[Step] = (),
+    ) -> Any:
+        """Relay the decoupled step; first open the ``later`` steps' streams (in the
+        request's own trace context), so the stages set them up during the prefill,
+        not when the first token waits for them, nor while the tokenizer works."""
+        request_context = otel_context.get_current()
+
         async def stream(
             step: Step, inputs: dict[str, WireTensor], outputs: list[str]
         ) -> AsyncIterator[dict[str, WireTensor]]:
             sub = step_request(step, inputs, outputs, request.id)
+            if streams is not None:
+                token = otel_context.attach(request_context)
+                try:
+                    await streams.open(later)
+                finally:
+                    otel_context.detach(token)
             async for response in relay(self.router, sub, _deadline(context)):
                 yield wire_outputs(response)
 
@@ -189,11 +207,13 @@ class OrchestratorServicer(BaseServicer):
         plan = self.ensembles.get(request.model_name)
         if plan is not None and plan.streaming is not None:
             streams = StepStreams(self.router, _deadline(context))
+            # Nested ensembles run here (ModelInfer); the other later steps stream.
+            later = [s for s in plan.downstream if self.ensembles.get(s.model) is None]
             outputs_stream = self.ensembles.stream(
                 plan,
                 wire_inputs(request),
                 self._step_call(plan, request, context, streams),
-                self._step_stream(request, context),
+                self._step_stream(request, context, streams, later),
                 self.tracer,
             )
             # Each response goes out as soon as it is made; the one that carries a
@@ -201,10 +221,6 @@ class OrchestratorServicer(BaseServicer):
             # next came, to flag the last, delayed every token by one engine step.)
             last = False
             try:
-                # Nested ensembles run here (ModelInfer); the other steps stream.
-                await streams.open(
-                    s for s in plan.downstream if self.ensembles.get(s.model) is None
-                )
                 async for outputs in outputs_stream:
                     response = self._ensemble_response(plan, request, outputs)
                     last = is_finished(outputs.get(FINISH_TENSOR))
