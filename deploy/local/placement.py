@@ -12,14 +12,15 @@ the worker's core.
 A pass (``CorePlacer.place``) finds the *bound* processes among the mesh's
 descendants: those whose OpenMP threads are bound (the binding is in their
 environment) to fewer cores than the supervisor may use. While they are busy
-(``BusyRule``: over half their cores' time in the last 3 s, until it falls
-under a tenth), every other thread of the mesh is allowed only the cores they
-do not use; once they are idle, every core again, so an idle LLM does not
-take a core from the image models beside it, and lone short requests move
-nothing. A model loaded later spawns its engine from a thread that may have
-been narrowed; the vLLM backend widens that thread first (see
-services/inference/vllm.py). On GPU hosts nothing is bound, so a pass changes
-nothing; nor does it where the bound processes use every core.
+(``BusyRule``: over a quarter of their cores' time in the last second, until
+it falls under a tenth over 3 s), every other thread of the mesh is allowed
+only the cores they do not use; once they are idle, every core again, so an
+idle LLM does not take a core from the image models beside it, while
+requests a few seconds apart leave the placement as it is. A model loaded
+later spawns its engine from a thread that may have been narrowed; the vLLM
+backend widens that thread first (see services/inference/vllm.py). On GPU
+hosts nothing is bound, so a pass changes nothing; nor does it where the
+bound processes use every core.
 """
 
 from __future__ import annotations
@@ -73,16 +74,20 @@ class Placement:
 
 @dataclass(frozen=True)
 class BusyRule:
-    """When the bound processes count as busy: their share of their cores' time
-    over the last ``window_s``, with hysteresis so that lone short requests do
-    not move every thread of the mesh back and forth."""
+    """When the bound processes count as busy: quick to engage, slow to release.
 
-    window_s: float = 3.0
-    """How far back the share is measured."""
-    engage: float = 0.5
-    """Idle -> busy above this share (16 streams keep the worker near 1.0)."""
+    Any generation (a lone prompt's prefill is ~0.4 s of the worker's core)
+    engages within a second; only ``release_window_s`` of near idleness
+    releases, so requests a few seconds apart do not move every thread of the
+    mesh back and forth each time.
+    """
+
+    engage_window_s: float = 1.0
+    engage: float = 0.25
+    """Idle -> busy above this share of the bound cores' time over the engage window."""
+    release_window_s: float = 3.0
     release: float = 0.1
-    """Busy -> idle below this share."""
+    """Busy -> idle below this share over the release window."""
 
 
 class CorePlacer:
@@ -147,14 +152,25 @@ class CorePlacer:
         if samples and now[0] - samples[-1][0] < MIN_SAMPLE_GAP_S:
             samples.pop()  # a look just now (busy_changed, then place): this one replaces it
         samples.append(now)
-        while len(samples) > 2 and now[0] - samples[1][0] >= self.rule.window_s:
+        while len(samples) > 2 and now[0] - samples[1][0] >= self.rule.release_window_s:
             samples.popleft()
-        (then, used) = samples[0]
-        if now[0] - then < MIN_WINDOW_S:
-            return self.busy  # too short to judge (/proc counts in 10 ms ticks)
+        if self.busy:
+            share = self._share(self.rule.release_window_s)
+            return share is None or share > self.rule.release
+        share = self._share(self.rule.engage_window_s)
+        return share is not None and share > self.rule.engage
+
+    def _share(self, window_s: float) -> float | None:
+        """The bound processes' share of their cores' time over about the last
+        ``window_s`` (None while the samples span too little time to judge)."""
+        now = self._samples[-1]
+        then = next(
+            (s for s in reversed(self._samples) if now[0] - s[0] >= window_s), self._samples[0]
+        )
+        if now[0] - then[0] < MIN_WINDOW_S:
+            return None  # /proc counts in 10 ms ticks
         cores = len(frozenset().union(*self._bound.values()))
-        share = (now[1] - used) / (now[0] - then) / cores
-        return share > (self.rule.release if self.busy else self.rule.engage)
+        return (now[1] - then[1]) / (now[0] - then[0]) / cores
 
 
 MIN_WINDOW_S = 0.5
