@@ -8,7 +8,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +79,21 @@ def mesh(
     proc, info = start_mesh(prepared_repository, config, [])
     yield info
     stop_mesh(proc)
+
+
+def streamed_chat(
+    base_url: str, content: str, max_tokens: int, headers: Mapping[str, str] | None = None
+) -> urllib.request.Request:
+    """A greedy, streamed POST /v1/chat/completions of one user message to the llm."""
+    body = {
+        "model": "llm",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    return urllib.request.Request(
+        f"{base_url}/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.e2e.conftest import streamed_chat
 from tests.harness import run_client
 from tests.otlp import OtlpReceiver, Span
 
@@ -273,16 +274,11 @@ def test_closing_a_stream_aborts_the_generation(base_url: str, mesh: dict[str, A
 
 def test_one_chat_request_is_one_trace_across_the_mesh(base_url: str, otlp: OtlpReceiver) -> None:
     trace_id, caller = secrets.token_hex(16), secrets.token_hex(8)
-    body = {
-        "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "temperature": 0,
-        "max_tokens": 8,
-        "stream": True,
-    }
-    request = urllib.request.Request(
-        f"{base_url}/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "traceparent": f"00-{trace_id}-{caller}-01"},
+    request = streamed_chat(
+        base_url,
+        "What is the capital of France?",
+        8,
+        headers={"traceparent": f"00-{trace_id}-{caller}-01"},
     )
     with urllib.request.urlopen(request, timeout=120) as response:
         assert response.status == 200

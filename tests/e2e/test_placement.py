@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -14,6 +13,7 @@ from typing import Any
 import pytest
 
 from deploy.local.placement import descendants
+from tests.e2e.conftest import streamed_chat
 
 pytestmark = pytest.mark.e2e
 
@@ -47,18 +47,7 @@ def _wait_for(check: Callable[[], bool], timeout_s: float) -> bool:
 
 
 def _long_chat(base_url: str, done: threading.Event, stop: threading.Event) -> None:
-    body = {
-        "model": "llm",
-        "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}],
-        "max_tokens": 400,
-        "temperature": 0,
-        "stream": True,
-    }
-    request = urllib.request.Request(
-        f"{base_url}/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
+    request = streamed_chat(base_url, "Tell me a long story about a lighthouse.", 400)
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
             for _ in response:  # until its end, or until the test has seen enough
