@@ -239,8 +239,6 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
         request = pb.ModelInferRequest(model_name=model or DEFAULT_LLM)
         encode_inputs(request, inputs)
         async for response in self.v2.stream_responses(request, context):
-            if not response.outputs:
-                continue  # a final response without outputs: the stream's end says it all
             outputs = decode_outputs(response)
             yield api.TextDelta(
                 text=_text(outputs.get("TEXT_DELTA")),

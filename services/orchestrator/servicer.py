@@ -35,7 +35,7 @@ from services.orchestrator.streaming import (
 )
 from shared.errors import InvalidArgument, MeshError, NotFound, error_for_status
 from shared.repository import hosting_service
-from shared.servicer import BaseServicer, stats_to_proto
+from shared.servicer import EMPTY_FINAL_RESPONSE, BaseServicer, stats_to_proto
 from shared.tensors import decode_inputs, encode_raw
 
 
@@ -228,7 +228,10 @@ class OrchestratorServicer(BaseServicer):
                     yield response
             finally:
                 streams.close()
-            if not last:  # ended without a finish reason: a final response without outputs
+            asked = request.parameters.get(EMPTY_FINAL_RESPONSE)
+            if not last and asked is not None and asked.bool_param:
+                # Ended without a finish reason: as Triton, a flags-only final
+                # response, only for a caller that asked for one.
                 final = pb.ModelInferResponse(
                     model_name=plan.name, model_version="1", id=request.id
                 )
