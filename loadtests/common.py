@@ -39,6 +39,8 @@ import grpc
 import numpy as np
 import yaml
 
+from deploy.local.procfs import TICKS, child_pids, process_cpu_seconds, start_ticks
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_REPOSITORY = Path("~/.cache/meshserve/repository")
 MESH_READY_MARKER = "MESHSERVE_MESH_READY"
@@ -52,52 +54,18 @@ Probe = Callable[[], Awaitable[Any]]
 
 # -- CPU accounting (/proc) ----------------------------------------------------
 
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _stat_fields(pid: int) -> list[str]:
-    """Fields of /proc/<pid>/stat after the command name (field 3 is index 0)."""
-    # The command name may hold spaces or parentheses: split after the last ')'.
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid`` (all its threads), in seconds; 0 once it is gone."""
-    try:
-        fields = _stat_fields(pid)
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICKS
-
 
 def machine_cpu_seconds() -> float:
     """Busy CPU time of the whole machine (user, nice, system, irq, softirq, steal)."""
     fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields)
-    return (user + nice + system + irq + softirq + steal) / _TICKS
+    return (user + nice + system + irq + softirq + steal) / TICKS
 
 
 def own_cpu_seconds() -> float:
     """This process's user + system CPU time (the load generator's cost)."""
     times = os.times()
     return times.user + times.system
-
-
-def start_ticks(pid: int) -> int | None:
-    """When ``pid`` started (clock ticks since boot), to tell it from a reused PID."""
-    try:
-        return int(_stat_fields(pid)[19])
-    except OSError:
-        return None
-
-
-def child_pids(pid: int) -> list[int]:
-    """Direct children of ``pid``, from /proc/<pid>/task/*/children."""
-    children: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            children += [int(part) for part in (task / "children").read_text().split()]
-    return children
 
 
 def child_named(pid: int, name: str) -> int | None:

@@ -41,6 +41,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from deploy.local.procfs import process_cpu_seconds
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from models.prepare import default_cache
@@ -271,12 +272,6 @@ async def closed_loop(
             await channel.close()
     stats.completed = len(stats.latencies_ns)
     return stats
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid`` (all its threads) from /proc, in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _own_cpu() -> float:

@@ -33,24 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it, from /proc/<pid>/task/*/children."""
-    found, pending = [], [pid]
-    while pending:
-        current = pending.pop()
-        found.append(current)
-        for task in _tasks(current):
-            with contextlib.suppress(OSError):
-                pending += [int(child) for child in (task / "children").read_text().split()]
-    return found
-
-
-def _tasks(pid: int) -> list[Path]:
-    try:
-        return list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return []
+from deploy.local.procfs import descendants, process_cpu_seconds, start_ticks, tasks
 
 
 def _affinity(tid: int) -> frozenset[int] | None:
@@ -96,7 +79,7 @@ class CorePlacer:
     def __init__(self, all_cores: frozenset[int], rule: BusyRule = BusyRule()) -> None:
         self.all_cores = all_cores
         self.rule = rule
-        self._moved: set[tuple[int, int]] = set()
+        self._moved: set[tuple[int, int | None]] = set()
         """(pid, start time) of processes a pass narrowed: never taken for bound ones."""
         self._bound: dict[int, frozenset[int]] = {}
         self._samples: deque[tuple[float, float]] = deque()  # (wall, CPU s of the bound)
@@ -105,7 +88,7 @@ class CorePlacer:
     def place(self, roots: Iterable[int]) -> Placement:
         """Find the bound processes under ``roots``; keep every other thread off their
         cores while they are busy, and let it use every core again once they are idle."""
-        processes = {pid: _started(pid) for root in roots for pid in descendants(root)}
+        processes = {pid: start_ticks(pid) for root in roots for pid in descendants(root)}
         self._moved &= set(processes.items())
         bound = {
             pid: cores
@@ -130,7 +113,7 @@ class CorePlacer:
                 self._moved.add((pid, started))
             elif (pid, started) not in self._moved:
                 continue  # never narrowed by us: not ours to widen
-            for task in _tasks(pid):
+            for task in tasks(pid):
                 tid = int(task.name)
                 if _affinity(tid) != target:
                     with contextlib.suppress(OSError):  # a thread that ended meanwhile
@@ -147,7 +130,7 @@ class CorePlacer:
         """Busy or idle by ``rule``, from a new sample of the bound processes' CPU time."""
         if not self._bound:
             return False
-        now = (time.monotonic(), sum(_cpu_seconds(pid) for pid in self._bound))
+        now = (time.monotonic(), sum(process_cpu_seconds(pid) for pid in self._bound))
         samples = self._samples
         if samples and now[0] - samples[-1][0] < MIN_SAMPLE_GAP_S:
             samples.pop()  # a look just now (busy_changed, then place): this one replaces it
@@ -177,18 +160,6 @@ MIN_WINDOW_S = 0.5
 """Shortest time over which the engines' CPU use is judged."""
 MIN_SAMPLE_GAP_S = 0.2
 """Samples closer than this replace the previous one."""
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid``'s threads; 0 once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICKS
-
-
 # Set in a process's environment by whoever binds its OpenMP threads (vLLM sets
 # the first, or one of the others when it finds GNU or Intel OpenMP preloaded).
 _OPENMP_BINDING = (b"OMP_PLACES=", b"GOMP_CPU_AFFINITY=", b"KMP_AFFINITY=")
@@ -200,11 +171,3 @@ def _binds_openmp(pid: int) -> bool:
     except OSError:
         return False
     return any(item.startswith(_OPENMP_BINDING) for item in environment)
-
-
-def _started(pid: int) -> int:
-    """Start time (clock ticks after boot), to tell a process from a later one with its PID."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return -1

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from deploy.local.placement import descendants
+from deploy.local.procfs import descendants
 from tests.e2e.conftest import streamed_chat
 
 pytestmark = pytest.mark.e2e
