@@ -39,7 +39,10 @@ READY_MARKER = "MESHSERVE_READY"
 MESH_READY_MARKER = "MESHSERVE_MESH_READY"
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "mesh.yaml"
 HEALTHY_AFTER_S = 30.0
-PLACEMENT_INTERVAL_S = 5.0
+PLACEMENT_LOOK_S = 1.0
+"""How often the engines' CPU time is read (a busy/idle change re-places at once)."""
+PLACEMENT_FULL_PASS_LOOKS = 5
+"""Every this many looks, a full pass finds new processes and threads."""
 
 
 @dataclass(frozen=True)
@@ -283,14 +286,14 @@ async def supervise(args: argparse.Namespace) -> int:
 async def _keep_placed(processes: Sequence[ManagedProcess]) -> None:
     """Keep the mesh off a busy CPU engine's cores (deploy/local/placement.py).
 
-    Every second the engines' CPU time is read; a change between busy and idle
-    re-places at once. A full pass (new processes and threads: restarts,
-    reloads) runs every ``PLACEMENT_INTERVAL_S``.
+    Every ``PLACEMENT_LOOK_S`` the engines' CPU time is read; a change between
+    busy and idle re-places at once. A full pass (new processes and threads:
+    restarts, reloads) runs every ``PLACEMENT_FULL_PASS_LOOKS`` looks.
     """
     placer = CorePlacer(frozenset(os.sched_getaffinity(0)))
     last: frozenset[int] = frozenset()
     for tick in itertools.count():
-        full = tick % int(PLACEMENT_INTERVAL_S) == 0
+        full = tick % PLACEMENT_FULL_PASS_LOOKS == 0
         try:
             if full or placer.busy_changed():
                 pids = [p.proc.pid for p in processes if p.proc and p.proc.returncode is None]
@@ -301,7 +304,7 @@ async def _keep_placed(processes: Sequence[ManagedProcess]) -> None:
         except Exception as exc:  # /proc races are suppressed inside; anything else is a bug
             log(f"CPU placement stopped: {exc!r}")
             return
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(PLACEMENT_LOOK_S)
 
 
 def _describe(placement: Placement) -> str:
