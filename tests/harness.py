@@ -80,8 +80,9 @@ class ServiceProcess:
             pass
 
     def logs(self) -> str:
-        """Everything the service wrote to stderr so far."""
-        self._log.flush()
+        """Everything the service wrote to stderr so far (also after stop())."""
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text()
 
     def metrics(self) -> Samples:
