@@ -195,8 +195,7 @@ class EnsemblePlan:
             return
         self._check_request(inputs)
         before = await self._execute(self.upstream, dict(inputs), call, tracer)
-        step_inputs = {k: before[v] for k, v in step.input_map.items() if v in before}
-        responses = stream_call(step, step_inputs, list(step.output_map))
+        responses = stream_call(step, _inputs_of(step, before), list(step.output_map))
         # The streaming step's span covers the whole stream (current while the
         # stream produces, so the stage call made for it is its child).
         span = tracer.start_span(self._step_span_name(step), attributes=self._step_attributes(step))
@@ -231,14 +230,22 @@ class EnsemblePlan:
         running: dict[asyncio.Task[dict[str, WireTensor]], Step] = {}
         try:
             while pending or running:
-                for step in [
-                    s for s in pending if set(s.input_map.values()) - absent <= set(available)
-                ]:
+                ready = [s for s in pending if set(s.input_map.values()) - absent <= set(available)]
+                if len(ready) == 1 and not running:
+                    # A chain (tokenizer -> model -> detokenizer): run the step
+                    # here; a task and a wait per step cost more than the step's
+                    # own bookkeeping.
+                    step = ready[0]
                     pending.remove(step)
-                    step_inputs = {
-                        k: available[v] for k, v in step.input_map.items() if v in available
-                    }
-                    task = asyncio.create_task(self._run_step(step, step_inputs, call, tracer))
+                    outputs = await self._run_step(step, _inputs_of(step, available), call, tracer)
+                    for out_name, tensor in step.output_map.items():
+                        available[tensor] = outputs[out_name]
+                    continue
+                for step in ready:
+                    pending.remove(step)
+                    task = asyncio.create_task(
+                        self._run_step(step, _inputs_of(step, available), call, tracer)
+                    )
                     running[task] = step
                 if not running:
                     missing = sorted(
@@ -306,6 +313,11 @@ class EnsemblePlan:
                     f"ensemble '{self.name}': input '{spec.name}' has shape "
                     f"{list(tensor.shape)}, expected {list(spec.shape)}"
                 )
+
+
+def _inputs_of(step: Step, available: Mapping[str, WireTensor]) -> dict[str, WireTensor]:
+    """The step's inputs by its own names, from the tensors produced so far."""
+    return {k: available[v] for k, v in step.input_map.items() if v in available}
 
 
 def _check_maps(name: str, step: Step, model: ModelIO) -> None:
