@@ -139,7 +139,8 @@ class MeshServer:
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()
             self._metrics_httpd.server_close()
-        self.tracer_provider.shutdown()
+        if self.tracer_provider is not None:
+            self.tracer_provider.shutdown()
         self._stopped.set()
 
     async def wait_stopped(self) -> None:

@@ -108,7 +108,8 @@ async def serve(config: HttpAdapterConfig) -> None:
         if metrics is not None:
             metrics.shutdown()
             metrics.server_close()
-        provider.shutdown()
+        if provider is not None:
+            provider.shutdown()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
 

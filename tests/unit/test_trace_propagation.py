@@ -19,6 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.interceptors import ServerInterceptor, client_interceptors
+from shared.tracing import inject_metadata, make_tracer_provider, tracer_for
 
 
 class Echo(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
@@ -69,3 +70,51 @@ def test_server_span_continues_the_callers_trace(kind: str) -> None:
     client, server = by_kind["CLIENT"], by_kind["SERVER"]
     assert client.context.trace_id == server.context.trace_id == trace_id
     assert server.parent is not None and server.parent.span_id == client.context.span_id
+
+
+def test_a_service_without_an_exporter_passes_the_trace_on() -> None:
+    """caller (traced) -> relay (no OTLP endpoint: no spans) -> echo (traced):
+    echo's server span continues the caller's trace, parented to the caller."""
+    assert make_tracer_provider("relay", None) is None
+    untraced = tracer_for(None, "relay")
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+
+    async def main() -> int:
+        echo = grpc.aio.server(interceptors=[ServerInterceptor(tracer)])
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(Echo(), echo)
+        echo_port = echo.add_insecure_port("127.0.0.1:0")
+        await echo.start()
+        onward = grpc.aio.insecure_channel(
+            f"127.0.0.1:{echo_port}", interceptors=client_interceptors(untraced)
+        )
+
+        class Relay(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+            async def ServerLive(self, request: Any, context: Any) -> Any:
+                stub = pb_grpc.GRPCInferenceServiceStub(onward)
+                return await stub.ServerLive(request)
+
+        relay = grpc.aio.server(interceptors=[ServerInterceptor(untraced)])
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(Relay(), relay)
+        relay_port = relay.add_insecure_port("127.0.0.1:0")
+        await relay.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{relay_port}") as channel:
+                stub = pb_grpc.GRPCInferenceServiceStub(channel)
+                with tracer.start_as_current_span("caller") as caller:
+                    metadata = inject_metadata(None)
+                    assert (await stub.ServerLive(pb.ServerLiveRequest(), metadata=metadata)).live
+                    return caller.get_span_context().span_id
+        finally:
+            await onward.close()
+            await relay.stop(None)
+            await echo.stop(None)
+
+    caller_span_id = asyncio.run(main())
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    assert set(spans) == {"caller", "inference.GRPCInferenceService/ServerLive"}
+    server = spans["inference.GRPCInferenceService/ServerLive"]
+    assert server.context.trace_id == spans["caller"].context.trace_id
+    assert server.parent is not None and server.parent.span_id == caller_span_id
