@@ -84,6 +84,22 @@ class BackendInstance(Protocol):
         ...
 
 
+@runtime_checkable
+class QuickInstance(Protocol):
+    """A backend instance whose small requests may run on the event loop.
+
+    Handing a batch to the instance's thread and back costs ~0.3-0.5 ms of
+    latency on a busy 2-core host; for work smaller than that (a short chat
+    template, a detokenizer step) the hop is most of the request. Only the
+    project's own bounded stage backends implement this; model code (pytorch,
+    onnxruntime, python) always runs in its thread.
+    """
+
+    def runs_inline(self, requests: list[InferRequest]) -> bool:
+        """True when ``requests`` are cheap enough to execute on the event loop."""
+        ...
+
+
 class Backend(Protocol):
     """A kind of model (``pytorch``, ``onnxruntime``, ``python``...)."""
 

@@ -29,6 +29,7 @@ from shared.backend import (
     BackendInstance,
     InstanceSpec,
     ModelSpec,
+    QuickInstance,
     StreamingBackend,
     StreamingInstance,
     default_intra_op_threads,
@@ -60,12 +61,17 @@ class ThreadedInstance:
         self._executor = executor
         self._stats = stats
         self._batched = batched
+        self._inline = instance.runs_inline if isinstance(instance, QuickInstance) else None
 
     async def execute(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
-        """Run the batch in this instance's thread and record its statistics."""
-        loop = asyncio.get_running_loop()
+        """Run the batch in this instance's thread (on the loop when the instance
+        says it is cheap) and record its statistics."""
         started = time.monotonic_ns()
-        results = await loop.run_in_executor(self._executor, self.instance.execute, requests)
+        if self._inline is not None and self._inline(requests):
+            results = self.instance.execute(requests)
+        else:
+            loop = asyncio.get_running_loop()
+            results = await loop.run_in_executor(self._executor, self.instance.execute, requests)
         rows = sum(request.batch_size(self._batched) for request in requests)
         self._stats.batch_done(rows, 0, time.monotonic_ns() - started, 0)
         return results

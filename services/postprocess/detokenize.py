@@ -54,6 +54,9 @@ _INPUTS = {
 }
 _OUTPUTS = {TEXT_DELTA: (mc.TYPE_STRING, [1]), FINISH_REASON: (mc.TYPE_STRING, [1])}
 _INCOMPLETE = "\ufffd"  # what decoding makes of a UTF-8 sequence cut short
+INLINE_IDS = 512
+"""Requests with at most this many ids in all run on the event loop (~0.3 ms of
+decoding, less than the hop to the instance's thread)."""
 
 
 class IncrementalDecoder:
@@ -150,6 +153,10 @@ class DetokenizeInstance:
             except InvalidArgument as exc:
                 results.append(exc)
         return results
+
+    def runs_inline(self, requests: list[InferRequest]) -> bool:
+        """True for short sequences (a generation's first hundreds of tokens)."""
+        return sum(request.inputs[OUTPUT_IDS].size for request in requests) <= INLINE_IDS
 
     def close(self) -> None:
         """Nothing to release."""

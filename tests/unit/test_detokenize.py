@@ -178,3 +178,10 @@ def test_a_bad_request_fails_alone_naming_the_tensor(
     assert isinstance(result, InvalidArgument) and named in str(result)
     assert not isinstance(fine, Exception)
     assert fine.outputs["TEXT_DELTA"].tolist() == [b"Hello"]
+
+
+def test_short_sequences_run_inline_long_ones_in_the_instance_thread(
+    instance: DetokenizeInstance,
+) -> None:
+    assert instance.runs_inline([request(list(range(100, 600)), 1)])
+    assert not instance.runs_inline([request(list(range(100, 400)), 1)] * 2)

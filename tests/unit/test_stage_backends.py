@@ -6,8 +6,11 @@ as the model manager would, and runs ``execute`` on a list of requests.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +28,9 @@ from services.preprocess.transform import TransformConfig, preprocess
 from services.tokenizer.backend import TokenizerBackend
 from shared.backend import InstanceSpec, ModelSpec, config_parameters
 from shared.errors import ConfigError, InvalidArgument
+from shared.model import ThreadedInstance
 from shared.request import InferRequest, InferResponse
+from shared.statistics import StatsRecorder
 
 INSTANCE = InstanceSpec(name="m_0", kind="KIND_CPU", device="cpu", intra_op_threads=1)
 
@@ -313,3 +318,50 @@ def test_preprocess_bad_settings_are_config_errors(
         ImagePreprocessBackend().create_instance(
             make_spec(tmp_path, PREPROCESS_CONFIG + extra), INSTANCE
         )
+
+
+def test_tokenizer_runs_short_texts_inline_and_long_ones_in_its_thread(tmp_path: Path) -> None:
+    instance = TokenizerBackend().create_instance(tokenizer_model(tmp_path), INSTANCE)
+    assert instance.runs_inline([request(TEXT=strings(b"a short prompt"))])
+    assert not instance.runs_inline([request(TEXT=strings(b"x" * 2000))])
+    # Many short requests add up.
+    assert not instance.runs_inline([request(TEXT=strings(b"y" * 300)) for _ in range(4)])
+    # A malformed element (execute reports it) does not count as cheap.
+    assert not instance.runs_inline([request(TEXT=np.array([7], dtype=object))])
+
+
+class _Recorder:
+    """A backend instance that says which thread ran each batch."""
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+
+    def runs_inline(self, requests: list[InferRequest]) -> bool:
+        return all(r.inputs["X"].size <= 4 for r in requests)
+
+    def execute(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
+        self.threads.append(threading.get_ident())
+        return [InferResponse(outputs={"Y": r.inputs["X"] * 2}) for r in requests]
+
+    def close(self) -> None:
+        """Nothing held."""
+
+
+def test_a_quick_instance_runs_cheap_batches_on_the_loop_and_the_rest_in_its_thread() -> None:
+    recorder = _Recorder()
+    executor = ThreadPoolExecutor(1)
+    threaded = ThreadedInstance(INSTANCE, recorder, executor, StatsRecorder("m", "1", None), False)
+
+    async def main() -> tuple[int, list[Any]]:
+        small = await threaded.execute([request(X=np.arange(3))])
+        large = await threaded.execute([request(X=np.arange(10))])
+        return threading.get_ident(), [small, large]
+
+    try:
+        loop_thread, (small, large) = asyncio.run(main())
+    finally:
+        executor.shutdown()
+    assert ok(small[0])["Y"].tolist() == [0, 2, 4]
+    assert ok(large[0])["Y"].tolist() == list(range(0, 20, 2))
+    assert recorder.threads[0] == loop_thread
+    assert recorder.threads[1] != loop_thread
