@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
+from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -31,17 +32,27 @@ class Echo(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             yield pb.ModelStreamInferResponse(infer_response=pb.ModelInferResponse(id=request.id))
 
 
-def _call_in_span(kind: str) -> tuple[list[ReadableSpan], int]:
+def _recording_tracer() -> tuple[InMemorySpanExporter, trace.Tracer]:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracer = provider.get_tracer("test")
+    return exporter, provider.get_tracer("test")
+
+
+async def _serve(servicer: Any, tracer: trace.Tracer) -> tuple[grpc.aio.Server, int]:
+    """A started server with the mesh's server interceptor; and its port."""
+    server = grpc.aio.server(interceptors=[ServerInterceptor(tracer)])
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+def _call_in_span(kind: str) -> tuple[list[ReadableSpan], int]:
+    exporter, tracer = _recording_tracer()
 
     async def main() -> int:
-        server = grpc.aio.server(interceptors=[ServerInterceptor(tracer)])
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(Echo(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        server, port = await _serve(Echo(), tracer)
         try:
             async with grpc.aio.insecure_channel(
                 f"127.0.0.1:{port}", interceptors=client_interceptors(tracer)
@@ -77,16 +88,10 @@ def test_a_service_without_an_exporter_passes_the_trace_on() -> None:
     echo's server span continues the caller's trace, parented to the caller."""
     assert make_tracer_provider("relay", None) is None
     untraced = tracer_for(None, "relay")
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracer = provider.get_tracer("test")
+    exporter, tracer = _recording_tracer()
 
     async def main() -> int:
-        echo = grpc.aio.server(interceptors=[ServerInterceptor(tracer)])
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(Echo(), echo)
-        echo_port = echo.add_insecure_port("127.0.0.1:0")
-        await echo.start()
+        echo, echo_port = await _serve(Echo(), tracer)
         onward = grpc.aio.insecure_channel(
             f"127.0.0.1:{echo_port}", interceptors=client_interceptors(untraced)
         )
@@ -96,10 +101,7 @@ def test_a_service_without_an_exporter_passes_the_trace_on() -> None:
                 stub = pb_grpc.GRPCInferenceServiceStub(onward)
                 return await stub.ServerLive(request)
 
-        relay = grpc.aio.server(interceptors=[ServerInterceptor(untraced)])
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(Relay(), relay)
-        relay_port = relay.add_insecure_port("127.0.0.1:0")
-        await relay.start()
+        relay, relay_port = await _serve(Relay(), untraced)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{relay_port}") as channel:
                 stub = pb_grpc.GRPCInferenceServiceStub(channel)
