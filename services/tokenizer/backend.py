@@ -37,10 +37,10 @@ from shared.request import InferRequest, InferResponse
 TEXT = "TEXT"
 MESSAGES = "MESSAGES"
 OUTPUTS = ("input_ids", "attention_mask", "token_type_ids")
+REQUIRED_OUTPUTS = OUTPUTS[:2]
 INLINE_BYTES = 1024
 """Requests with at most this much text in all run on the event loop (~0.5 ms
 of template and encoding, less than the hop to the instance's thread)."""
-REQUIRED_OUTPUTS = OUTPUTS[:2]
 
 
 @dataclass(frozen=True)
