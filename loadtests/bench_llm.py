@@ -30,9 +30,10 @@ measured round. Under 16 streams TTFT is mostly the engine's prefill queue, so
 ``--probes`` lone one-token requests per target measure the time the path itself
 adds: the difference of p50s, and the median of differences between probes sent
 back to back with the same prompt (the engine's time for a prompt moves by tens
-of ms from probe to probe; pairing takes the prompt's share out). Token counts come from each server's own usage numbers (transformers: the
-tokens before end of text), so a target that stops early is not credited with
-tokens it did not make. Everything started is stopped by PID (process group) on
+of ms from probe to probe; pairing takes the prompt's share out). Token counts
+come from each server's own usage numbers (transformers: the tokens before end
+of text), so a target that stops early is not credited with tokens it did not
+make. Everything started is stopped by PID (process group) on
 exit, error or Ctrl-C.
 """
 
