@@ -20,9 +20,9 @@ Instruct for a short story, greedy, ``--max-tokens`` tokens at most) sent to:
 The mesh (``deploy.local.supervisor --ports auto``) and vLLM's server both start
 first and stay up (idle); then each round runs every target once, one after the
 other, each after a pause (``QUIET_S``) that lets the other engine go idle, so
-the engines never compete for the cores. A round
-is one batch of concurrent streams: tokens/s is the completion tokens of every
-stream over the time from the first request to the last stream's end; TTFT is
+the engines never compete for the cores. A round is one batch of concurrent
+streams: tokens/s is the completion tokens of every stream over the time from
+the first request to the last stream's end; TTFT is
 the time from sending a request to its first non-empty text; CPU is the whole
 machine's busy time over the round per token (server, client and all). Each
 target's fastest round (by tokens/s) is reported; TTFT percentiles pool every

@@ -171,29 +171,26 @@ class OrchestratorServicer(BaseServicer):
         self,
         request: pb.ModelInferRequest,
         context: Any,
-        streams: StepStreams | None = None,
-        later: Sequence[Step] = (),
+        streams: StepStreams,
+        later: Sequence[Step],
     ) -> Any:
         """Relay the decoupled step; once its request is on its way, open the
         ``later`` steps' streams (in the request's own trace context), so the stages
         set them up during the prefill, not when the first token waits for them."""
         request_context = otel_context.get_current()
 
+        def open_later() -> None:
+            token = otel_context.attach(request_context)
+            try:
+                streams.open_soon(later)
+            finally:
+                otel_context.detach(token)
+
         async def stream(
             step: Step, inputs: dict[str, WireTensor], outputs: list[str]
         ) -> AsyncIterator[dict[str, WireTensor]]:
             sub = step_request(step, inputs, outputs, request.id)
-
-            def open_later() -> None:
-                assert streams is not None
-                token = otel_context.attach(request_context)
-                try:
-                    streams.open_soon(later)
-                finally:
-                    otel_context.detach(token)
-
-            opened = open_later if streams is not None else None
-            async for response in relay(self.router, sub, _deadline(context), opened):
+            async for response in relay(self.router, sub, _deadline(context), open_later):
                 yield wire_outputs(response)
 
         return stream
