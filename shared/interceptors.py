@@ -19,7 +19,12 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from shared.errors import GENERIC_INTERNAL_MESSAGE, MeshError, Unavailable
-from shared.tracing import extract_context, inject_metadata, iterate_in_context
+from shared.tracing import (
+    extract_context,
+    inject_metadata,
+    iterate_in_context,
+    pop_parameters_context,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +77,11 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
+        behavior = handler.stream_stream
         return grpc.stream_stream_rpc_method_handler(
-            self._wrap_any(handler.stream_stream, method, ctx),
+            self._wrap_request_stream(behavior, method, ctx)
+            if inspect.isasyncgenfunction(behavior)
+            else self._wrap_any(behavior, method, ctx),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
@@ -139,6 +147,63 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
         return wrapped
 
+    def _wrap_request_stream(
+        self, behavior: Streaming, method: str, ctx: otel_context.Context
+    ) -> Any:
+        """A bidirectional stream counts as in flight, and its span starts, with its
+        first request: a stream opened ahead of its requests (the orchestrator
+        keeps some open) holds no drain while it idles, and when its metadata
+        carries no trace context, its first request's parameters do."""
+
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            requests = _AdmittedRequests(self, method, ctx, request)
+            try:
+                async for item in behavior(requests, context):
+                    yield item
+            except BaseException as exc:
+                await _abort(context, requests.span, exc, method)
+                raise
+            finally:
+                self.in_flight -= requests.counted
+                requests.span.end()
+
+        return wrapped
+
+
+class _AdmittedRequests:
+    """The requests of a stream; admits the RPC and starts its span at the first.
+
+    The span's context is made current in the task reading the requests, so
+    the tasks it starts for them run in the request's trace.
+    """
+
+    def __init__(
+        self, owner: ServerInterceptor, method: str, ctx: otel_context.Context, requests: Any
+    ) -> None:
+        self._owner = owner
+        self._method = method
+        self._ctx = ctx
+        self._requests = requests
+        self._started = False
+        self.counted = False
+        self.span: trace.Span = trace.INVALID_SPAN
+
+    def __aiter__(self) -> _AdmittedRequests:
+        return self
+
+    async def __anext__(self) -> Any:
+        request = await anext(self._requests)
+        parameters = getattr(request, "parameters", None)
+        carried = pop_parameters_context(parameters) if parameters is not None else None
+        if not self._started:
+            self._started = True
+            self.counted = self._owner._admit(self._method)
+            has_parent = trace.get_current_span(self._ctx).get_span_context().is_valid
+            parent = self._ctx if has_parent or carried is None else carried
+            self.span = self._owner._start_span(self._method, parent)
+            otel_context.attach(trace.set_span_in_context(self.span))
+        return request
+
 
 async def _abort(
     context: grpc.aio.ServicerContext, span: trace.Span, exc: BaseException, method: str
@@ -174,6 +239,10 @@ class _ClientBase:
         )
 
     def _span(self, details: grpc.aio.ClientCallDetails) -> trace.Span:
+        if not trace.get_current_span().get_span_context().is_valid:
+            # A call made outside any trace (discovery, a stream opened ahead of
+            # its requests) starts no trace of its own.
+            return trace.INVALID_SPAN
         method = details.method.decode() if isinstance(details.method, bytes) else details.method
         service, name = _split(method)
         return self._tracer.start_span(

@@ -3,7 +3,8 @@
 Each process builds its own ``TracerProvider`` (never the global one), so
 several services can share a test process and still report distinct
 ``service.name`` values. Context travels in gRPC metadata under the standard
-W3C keys (``traceparent``, ``tracestate``).
+W3C keys (``traceparent``, ``tracestate``); on a stream opened ahead of its
+requests, each request carries them as string parameters of the same names.
 """
 
 from __future__ import annotations
@@ -64,6 +65,29 @@ def inject_metadata(
     _PROPAGATOR.inject(carrier, context=ctx)
     kept = [(k, v) for k, v in (metadata or ()) if k not in carrier]
     return kept + list(carrier.items())
+
+
+TRACE_PARAMETERS = ("traceparent", "tracestate")
+"""Request parameters that carry a request's own trace context."""
+
+
+def inject_parameters(parameters: Any) -> None:
+    """Put the current trace context into a v2 request's ``parameters`` map."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier)
+    for key, value in carrier.items():
+        parameters[key].string_param = value
+
+
+def pop_parameters_context(parameters: Any) -> otel_context.Context | None:
+    """The trace context a v2 request carries in ``parameters`` (None when it
+    carries none), removed from them: models never see it."""
+    carrier = {}
+    for key in TRACE_PARAMETERS:
+        if key in parameters:
+            carrier[key] = parameters[key].string_param
+            del parameters[key]
+    return _PROPAGATOR.extract(carrier) if carrier else None
 
 
 def traceparent_of(metadata: Mapping[str, str]) -> str | None:

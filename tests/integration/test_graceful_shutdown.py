@@ -6,10 +6,12 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inference import grpc_service_pb2 as pb
@@ -65,6 +67,39 @@ def test_sigterm_drains_in_flight_rpc(python_models_repo: Path) -> None:
         service.proc.wait(timeout=GRACE_S)
         assert service.proc.returncode == 0
         assert time.monotonic() - sent < GRACE_S
+        channel.close()
+    finally:
+        service.stop()
+
+
+def test_an_idle_stream_does_not_hold_the_drain(python_models_repo: Path) -> None:
+    """A ModelStreamInfer opened with no request yet (the orchestrator keeps such
+    spares) is not work in flight: SIGTERM ends it and the process exits at once,
+    not after its grace period; the caller sees UNAVAILABLE on it."""
+    service = ServiceProcess(
+        "services.inference.main",
+        ["--model-repository", str(python_models_repo), "--grace-period-s", str(GRACE_S)],
+    )
+    try:
+        channel = grpc.insecure_channel(service.address)
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        never = threading.Event()
+
+        def no_requests() -> Iterator[pb.ModelInferRequest]:
+            never.wait()
+            yield from ()
+
+        idle = stub.ModelStreamInfer(no_requests())
+        time.sleep(0.5)  # the stream is open on the server
+        sent = time.monotonic()
+        service.signal(signal.SIGTERM)
+        service.proc.wait(timeout=GRACE_S)
+        assert service.proc.returncode == 0
+        assert time.monotonic() - sent < GRACE_S / 2
+        with pytest.raises(grpc.RpcError) as ended:
+            next(idle)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE  # the caller may retry elsewhere
+        never.set()
         channel.close()
     finally:
         service.stop()

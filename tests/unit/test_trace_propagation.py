@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.interceptors import ServerInterceptor, client_interceptors
-from shared.tracing import inject_metadata, make_tracer_provider, tracer_for
+from shared.tracing import inject_metadata, inject_parameters, make_tracer_provider, tracer_for
 
 
 class Echo(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
@@ -119,4 +119,51 @@ def test_a_service_without_an_exporter_passes_the_trace_on() -> None:
     assert set(spans) == {"caller", "inference.GRPCInferenceService/ServerLive"}
     server = spans["inference.GRPCInferenceService/ServerLive"]
     assert server.context.trace_id == spans["caller"].context.trace_id
+    assert server.parent is not None and server.parent.span_id == caller_span_id
+
+
+def test_a_stream_opened_ahead_joins_its_first_requests_trace() -> None:
+    """A stream opened outside any trace (as the orchestrator's spares are) gets
+    its server span from its first request's parameters, which the servicer then
+    no longer sees; the opening itself starts no client span."""
+    exporter, tracer = _recording_tracer()
+    seen: list[list[str]] = []
+
+    class Recorder(Echo):
+        async def ModelStreamInfer(self, requests: Any, context: Any) -> AsyncIterator[Any]:
+            async for request in requests:
+                seen.append(sorted(request.parameters))
+                yield pb.ModelStreamInferResponse(infer_response=pb.ModelInferResponse())
+
+    async def main() -> int:
+        server, port = await _serve(Recorder(), tracer)
+        outgoing: asyncio.Queue[pb.ModelInferRequest | None] = asyncio.Queue()
+
+        async def requests() -> AsyncIterator[pb.ModelInferRequest]:
+            while (request := await outgoing.get()) is not None:
+                yield request
+
+        try:
+            async with grpc.aio.insecure_channel(
+                f"127.0.0.1:{port}", interceptors=client_interceptors(tracer)
+            ) as channel:
+                call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests())
+                await asyncio.sleep(0.1)  # open and idle, as a spare waits
+                with tracer.start_as_current_span("caller") as caller:
+                    request = pb.ModelInferRequest(id="a")
+                    request.parameters["priority"].int64_param = 1
+                    inject_parameters(request.parameters)
+                    outgoing.put_nowait(request)
+                    await call.read()
+                outgoing.put_nowait(None)
+                assert await call.read() is grpc.aio.EOF
+                return caller.get_span_context().span_id
+        finally:
+            await server.stop(None)
+
+    caller_span_id = asyncio.run(main())
+    assert seen == [["priority"]]
+    spans = exporter.get_finished_spans()
+    assert sorted(s.kind.name for s in spans) == ["INTERNAL", "SERVER"], [s.name for s in spans]
+    (server,) = [s for s in spans if s.kind.name == "SERVER"]
     assert server.parent is not None and server.parent.span_id == caller_span_id
