@@ -41,6 +41,9 @@ class OrchestratorConfig(ServiceConfig):
     """HTTP/2 connections to each stage replica (one caps throughput under load)."""
     refresh_interval_s: float = Field(2.0, ge=0.1, le=300.0)
     """How often stage discovery re-reads each replica's RepositoryIndex."""
+    spare_streams: int = Field(4, ge=0, le=64)
+    """ModelStreamInfer calls kept open ahead of their requests per stage replica
+    that is streamed to (a request takes one instead of setting a stream up)."""
 
 
 def build_parts(config: OrchestratorConfig) -> ServiceParts:
@@ -56,6 +59,7 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
         max_message_bytes=config.max_message_bytes,
         tracer=tracer,
         refresh_interval_s=config.refresh_interval_s,
+        spare_streams=config.spare_streams,
     )
     repository = ModelRepository(config.model_repository) if config.model_repository else None
     ensembles = EnsembleRegistry(repository, router.model_config, Metrics(parts.registry))

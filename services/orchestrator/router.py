@@ -6,12 +6,15 @@ endpoint hosts from RepositoryIndex and refreshes that periodically, so no
 routing table is kept by hand. A call goes to the ready replica with the
 fewest calls in flight; when a replica cannot be reached the call is retried
 once on another replica (model inference here is idempotent), and the replica
-is marked unready until the next refresh finds it again.
+is marked unready until the next refresh finds it again. Streams to a replica
+come from its ``StageStream`` spares when one waits (services/orchestrator/
+stage_stream.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -24,12 +27,16 @@ from opentelemetry import trace
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from inference import model_config_pb2 as mc
+from services.orchestrator.stage_stream import StageStream
 from shared.channels import open_channels
 from shared.errors import InvalidArgument, NotFound, Unavailable, error_for_status
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+REFILL_DELAY_S = 0.05
+"""How long after a stream's release its replica's spares are topped up."""
 
 # Status codes that say "this replica could not do it", not "the request is bad".
 _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
@@ -63,11 +70,57 @@ class Endpoint:
     models: set[str] = field(default_factory=set)
     ready: bool = False
     in_flight: int = 0
+    spare_count: int = 0
+    """How many streams to keep opened ahead (StageStream)."""
+    spares: collections.deque[StageStream] = field(default_factory=collections.deque)
+    streamed: bool = False
+    """Whether a stream was ever asked of this replica: only then are spares kept."""
     _next: itertools.cycle[int] = field(default_factory=lambda: itertools.cycle([0]))
+    _refill: asyncio.TimerHandle | None = None
 
     def stub(self) -> pb_grpc.GRPCInferenceServiceStub:
         """The next channel's stub (round robin over the pool)."""
         return self.stubs[next(self._next)]
+
+    def stream(self) -> StageStream:
+        """A ModelStreamInfer call: a spare when one is still open, else a new one.
+        It counts as in flight until released."""
+        while self.spares:
+            stream = self.spares.popleft()
+            if stream.alive:
+                break
+        else:
+            stream = StageStream(self.stub())
+        self.streamed = True
+        self.in_flight += 1
+        stream.on_release = self._released
+        return stream
+
+    def fill_spares(self) -> None:
+        """Drop spares that ended; open new ones up to ``spare_count``."""
+        if any(not stream.alive for stream in self.spares):
+            self.spares = collections.deque(s for s in self.spares if s.alive)
+        while self.streamed and self.ready and len(self.spares) < self.spare_count:
+            self.spares.append(StageStream(self.stub()))
+
+    def close_spares(self) -> None:
+        """Cancel every spare (the replica went away, or the router stops)."""
+        if self._refill is not None:
+            self._refill.cancel()
+            self._refill = None
+        while self.spares:
+            self.spares.popleft().cancel()
+
+    def _released(self) -> None:
+        self.in_flight -= 1
+        if self.spare_count and self._refill is None:
+            # Not at once: the release comes as the request's last answer leaves,
+            # and opening streams then (here and on the stage) delays it.
+            self._refill = asyncio.get_running_loop().call_later(REFILL_DELAY_S, self._refilled)
+
+    def _refilled(self) -> None:
+        self._refill = None
+        self.fill_spares()
 
     def describe(self) -> str:
         """``stage 'name' (host:port)`` for error messages."""
@@ -96,8 +149,10 @@ class StageRouter:
         max_message_bytes: int,
         tracer: trace.Tracer,
         refresh_interval_s: float,
+        spare_streams: int = 0,
     ) -> None:
         self.addresses = list(addresses)
+        self._spare_streams = spare_streams
         self._channel_settings = (channels_per_endpoint, max_message_bytes, tracer)
         # Channels are opened in start(): grpc.aio binds them to the running loop.
         self.endpoints: list[Endpoint] = []
@@ -108,6 +163,8 @@ class StageRouter:
     async def start(self) -> None:
         """Connect, discover once, then keep refreshing in an owned background task."""
         self.endpoints = [open_endpoint(a, *self._channel_settings) for a in self.addresses]
+        for endpoint in self.endpoints:
+            endpoint.spare_count = self._spare_streams
         await self.refresh()
         self._task = asyncio.create_task(self._refresh_loop(), name="stage-discovery")
 
@@ -117,6 +174,8 @@ class StageRouter:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         for endpoint in self.endpoints:
+            endpoint.ready = False
+            endpoint.close_spares()
             for channel in endpoint.channels:
                 await channel.close()
 
@@ -145,11 +204,13 @@ class StageRouter:
             if endpoint.ready:
                 log.warning("%s is unreachable: %s", endpoint.describe(), exc.details())
             endpoint.ready = False
+            endpoint.close_spares()
             return
         if not endpoint.ready:
             log.info("%s is ready", endpoint.describe())
         endpoint.models = {model.name for model in index.models}
         endpoint.ready = True
+        endpoint.fill_spares()
 
     def replicas(self, model: str) -> list[Endpoint]:
         """Every endpoint known to host ``model`` (ready or not)."""
@@ -176,6 +237,13 @@ class StageRouter:
             where = ", ".join(e.describe() for e in known)
             raise Unavailable(f"model '{model}': no ready replica ({where})")
         return min(candidates, key=lambda e: e.in_flight)
+
+    def stream(self, model: str) -> StageStream:
+        """A ModelStreamInfer call to the least busy ready replica of ``model``.
+
+        Its errors come on its reads; the caller decides what may be retried.
+        """
+        return self._pick(model, set()).stream()
 
     async def call(
         self,

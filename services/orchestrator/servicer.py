@@ -3,7 +3,8 @@
 A call to a non-ensemble model is passed to a replica of the stage hosting it
 as is (no decoding); a call to an ensemble runs its dataflow graph, each step
 a ModelInfer on the stage hosting the step's model. The caller's deadline
-bounds every step, and a cancelled caller cancels every step in flight.
+bounds every step (a unary step's timeout; a stream is cancelled with its
+caller), and a cancelled caller cancels every step in flight.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from inference import grpc_service_pb2 as pb
@@ -168,29 +168,17 @@ class OrchestratorServicer(BaseServicer):
         return call
 
     def _step_stream(
-        self,
-        request: pb.ModelInferRequest,
-        context: Any,
-        streams: StepStreams,
-        later: Sequence[Step],
+        self, request: pb.ModelInferRequest, streams: StepStreams, later: Sequence[Step]
     ) -> Any:
-        """Relay the decoupled step; once its request is on its way, open the
-        ``later`` steps' streams (in the request's own trace context), so the stages
-        set them up during the prefill, not when the first token waits for them."""
-        request_context = otel_context.get_current()
-
-        def open_later() -> None:
-            token = otel_context.attach(request_context)
-            try:
-                streams.open_soon(later)
-            finally:
-                otel_context.detach(token)
+        """Relay the decoupled step; once its request is on its way, take the
+        ``later`` steps' streams, so that where no spare stream waits the stages set
+        new ones up during the prefill, not when the first token waits for them."""
 
         async def stream(
             step: Step, inputs: dict[str, WireTensor], outputs: list[str]
         ) -> AsyncIterator[dict[str, WireTensor]]:
             sub = step_request(step, inputs, outputs, request.id)
-            async for response in relay(self.router, sub, _deadline(context), open_later):
+            async for response in relay(self.router, sub, lambda: streams.open_soon(later)):
                 yield wire_outputs(response)
 
         return stream
@@ -207,14 +195,14 @@ class OrchestratorServicer(BaseServicer):
         """Every response to one request of a ModelStreamInfer stream."""
         plan = self.ensembles.get(request.model_name)
         if plan is not None and plan.streaming is not None:
-            streams = StepStreams(self.router, _deadline(context))
+            streams = StepStreams(self.router)
             # Nested ensembles run here (ModelInfer); the other later steps stream.
             later = [s for s in plan.downstream if self.ensembles.get(s.model) is None]
             outputs_stream = self.ensembles.stream(
                 plan,
                 wire_inputs(request),
                 self._step_call(plan, request, context, streams),
-                self._step_stream(request, context, streams, later),
+                self._step_stream(request, streams, later),
                 self.tracer,
             )
             # Each response goes out as soon as it is made; the one that carries a
@@ -240,7 +228,7 @@ class OrchestratorServicer(BaseServicer):
                 yield final
             return
         if plan is None and await self._is_decoupled(request.model_name):
-            async for response in relay(self.router, request, _deadline(context)):
+            async for response in relay(self.router, request):
                 yield response
             return
         response = await self.ModelInfer(request, context)

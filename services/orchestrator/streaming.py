@@ -9,15 +9,14 @@ cancels the stage call, which aborts the generation inside the engine.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import Any
 
 import grpc
 
 from inference import grpc_service_pb2 as pb
 from services.orchestrator.ensemble import Step, WireTensor
 from services.orchestrator.router import StageRouter
+from services.orchestrator.stage_stream import StageStream
 from shared.errors import InvalidArgument, MeshError, Unavailable, error_for_status
 
 FINAL_PARAMETER = "triton_final_response"
@@ -43,36 +42,61 @@ def stream_error(message: pb.ModelStreamInferResponse) -> MeshError:
 async def relay(
     router: StageRouter,
     request: pb.ModelInferRequest,
-    deadline_s: float | None,
     opened: Callable[[], None] | None = None,
 ) -> AsyncIterator[pb.ModelInferResponse]:
     """Forward one request to a decoupled model; yield its responses until final.
 
-    ``opened`` runs once the stream exists (its request already queued to go).
+    ``opened`` runs once the request is on its way.
     """
-    endpoint_call: list[Any] = []
-
-    async def open_stream(stub: Any) -> Any:
-        call = stub.ModelStreamInfer(iter([request]), timeout=deadline_s)
-        endpoint_call.append(call)
-        return call
-
-    # Only opening the stream may be retried: once tokens flow, a retry would
-    # repeat them.
-    call = await router.call(request.model_name, "ModelStreamInfer", open_stream)
-    if opened is not None:
-        opened()
+    stream, message = await _first_response(router, request, opened)
     try:
-        async for message in call:
+        while True:
             if message.error_message:
                 raise stream_error(message)
             yield message.infer_response
             if is_final(message.infer_response):
                 return
+            message = await stream.read(request.model_name)
     except grpc.aio.AioRpcError as exc:
         raise error_for_status(exc.code(), exc.details() or "stream failed") from exc
     finally:
-        call.cancel()
+        stream.cancel()
+
+
+async def _first_response(
+    router: StageRouter, request: pb.ModelInferRequest, opened: Callable[[], None] | None
+) -> tuple[StageStream, pb.ModelStreamInferResponse]:
+    """Send ``request`` on a stage stream; the stream and its first message.
+
+    A stream opened ahead may have ended meanwhile (its replica drained), so
+    UNAVAILABLE before any response is retried once, on a new stream. Later
+    it is not: once tokens flow, a retry would repeat them.
+    """
+    for attempt in range(2):
+        stream = router.stream(request.model_name)
+        stream.send(request)
+        stream.done_sending()
+        if opened is not None and attempt == 0:
+            opened()
+        try:
+            return stream, await stream.read(request.model_name)
+        except (grpc.aio.AioRpcError, Unavailable) as exc:
+            stream.cancel()
+            _raise_unless_retried(exc, attempt)
+        except BaseException:
+            stream.cancel()
+            raise
+    raise AssertionError("unreachable")
+
+
+def _raise_unless_retried(exc: grpc.aio.AioRpcError | MeshError, attempt: int) -> None:
+    """Raise ``exc`` as a MeshError, unless it is a first attempt's UNAVAILABLE."""
+    code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else exc.code
+    if attempt == 0 and code == grpc.StatusCode.UNAVAILABLE:
+        return
+    if isinstance(exc, grpc.aio.AioRpcError):
+        raise error_for_status(code, exc.details() or "stream failed") from exc
+    raise exc
 
 
 def step_request(
@@ -110,90 +134,40 @@ class StepStreams:
     router picks then, and the request sent again, once.
     """
 
-    def __init__(self, router: StageRouter, deadline_s: float | None) -> None:
+    def __init__(self, router: StageRouter) -> None:
         self._router = router
-        self._deadline_s = deadline_s
-        self._streams: dict[int, _StepStream] = {}
-        self._opening: dict[int, asyncio.Task[_StepStream]] = {}
+        self._streams: dict[int, StageStream] = {}
 
     async def infer(self, step: int, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        """Send ``request`` on step ``step``'s stream (opened on first use); its answer."""
+        """Send ``request`` on step ``step``'s stream (taken on first use); its answer."""
         for attempt in range(2):
             stream = self._streams.get(step)
             if stream is None:
-                opening = self._opening.pop(step, None)
-                if opening is not None:
-                    stream = await opening
-                else:
-                    stream = await _StepStream.open(
-                        self._router, request.model_name, self._deadline_s
-                    )
-                self._streams[step] = stream
+                stream = self._streams[step] = self._router.stream(request.model_name)
             try:
-                return await stream.ask(request)
-            except grpc.aio.AioRpcError as exc:
+                message = await stream.ask(request)
+            except (grpc.aio.AioRpcError, Unavailable) as exc:
                 del self._streams[step]
-                stream.close()
-                if attempt or exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise error_for_status(exc.code(), exc.details() or "stream failed") from exc
+                stream.cancel()
+                _raise_unless_retried(exc, attempt)
+                continue
+            if message.error_message:
+                raise stream_error(message)
+            response: pb.ModelInferResponse = message.infer_response
+            return response
         raise AssertionError("unreachable")
 
     def open_soon(self, steps: Iterable[Step]) -> None:
-        """Start opening the streams of ``steps`` (in the current trace context): a
-        stage sets a stream up while the generation starts, instead of when the
-        first token is waiting for it. Called once the generation's own request
-        is on its way, so that request is not queued behind these."""
+        """Take the streams of ``steps`` now: where no spare waits, a stage sets a
+        new one up while the generation starts, instead of when the first token
+        waits for it. Called once the generation's own request is on its way, so
+        that request is not queued behind these."""
         for step in steps:
-            if step.index not in self._streams and step.index not in self._opening:
-                self._opening[step.index] = asyncio.create_task(
-                    _StepStream.open(self._router, step.model, self._deadline_s)
-                )
+            if step.index not in self._streams:
+                self._streams[step.index] = self._router.stream(step.model)
 
     def close(self) -> None:
         """End every stream (the stages see their callers leave)."""
-        for opening in self._opening.values():
-            if opening.done() and not opening.cancelled() and opening.exception() is None:
-                opening.result().close()
-            else:
-                opening.cancel()
-        self._opening.clear()
         for stream in self._streams.values():
             stream.close()
         self._streams.clear()
-
-
-class _StepStream:
-    """One ModelStreamInfer whose requests are written one at a time."""
-
-    def __init__(self, call: Any, outgoing: asyncio.Queue[pb.ModelInferRequest | None]) -> None:
-        self._call = call
-        self._outgoing = outgoing
-
-    @classmethod
-    async def open(cls, router: StageRouter, model: str, deadline_s: float | None) -> _StepStream:
-        outgoing: asyncio.Queue[pb.ModelInferRequest | None] = asyncio.Queue()
-
-        async def requests() -> AsyncIterator[pb.ModelInferRequest]:
-            while (request := await outgoing.get()) is not None:
-                yield request
-
-        async def open_stream(stub: Any) -> Any:
-            return stub.ModelStreamInfer(requests(), timeout=deadline_s)
-
-        return cls(await router.call(model, "ModelStreamInfer", open_stream), outgoing)
-
-    async def ask(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        self._outgoing.put_nowait(request)
-        message = await self._call.read()
-        if message is grpc.aio.EOF:
-            raise Unavailable(f"model '{request.model_name}': the stage ended the stream")
-        if message.error_message:
-            raise stream_error(message)
-        response: pb.ModelInferResponse = message.infer_response
-        return response
-
-    def close(self) -> None:
-        # End the request stream; the stage then ends the call with OK. (A cancel
-        # would interrupt the call's request writer mid-await, which gRPC logs
-        # with a formatted traceback: ~0.3 ms per stream for nothing.)
-        self._outgoing.put_nowait(None)
