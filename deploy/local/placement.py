@@ -12,11 +12,18 @@ the worker's core.
 A pass (``CorePlacer.place``) finds the *bound* processes among the mesh's
 descendants: those whose OpenMP threads are bound (the binding is in their
 environment) to fewer cores than the supervisor may use. While they are busy
-(``BusyRule``: over a quarter of their cores' time in the last second, until
-it falls under a tenth over 3 s), every other thread of the mesh is allowed
-only the cores they do not use; once they are idle, every core again, so an
-idle LLM does not take a core from the image models beside it, while
-requests a few seconds apart leave the placement as it is. A model loaded
+and the rest of the mesh is busy too (``BusyRule``), every other thread of
+the mesh is allowed only the cores they do not use; otherwise every core, so
+an idle LLM does not take a core from the image models beside it, and the
+placement holds through requests a few seconds apart.
+
+Both sides must be busy because the contention goes both ways. A worker
+keeps its core after each step (vLLM's CPU worker polls for its next step
+for a second), so lone requests a few seconds apart count as a busy engine;
+kept to the other core, the mesh then ran a lone chat request's ~8 ms of
+stage hops on one core, and its first token came ~3 ms later (2-core host,
+15 lone chats). A mesh that serves a steady stream of tokens, on the other
+hand, spills onto the worker's core and slows every step. A model loaded
 later spawns its engine from a thread that may have been narrowed; the vLLM
 backend widens that thread first (see services/inference/vllm.py). On GPU
 hosts nothing is bound, so a pass changes nothing; nor does it where the
@@ -67,10 +74,14 @@ class BusyRule:
 
     engage_window_s: float = 1.0
     engage: float = 0.25
-    """Idle -> busy above this share of the bound cores' time over the engage window."""
+    """Idle -> busy above this share of the bound cores' time over the engage window..."""
+    serving_engage: float = 0.1
+    """...while the rest of the mesh uses above this share of the other cores' time."""
     release_window_s: float = 3.0
     release: float = 0.1
-    """Busy -> idle below this share over the release window."""
+    """Busy -> idle below this share over the release window..."""
+    serving_release: float = 0.05
+    """...or when the rest of the mesh uses below this share of the other cores."""
 
 
 class CorePlacer:
@@ -82,7 +93,9 @@ class CorePlacer:
         self._moved: set[tuple[int, int | None]] = set()
         """(pid, start time) of processes a pass narrowed: never taken for bound ones."""
         self._bound: dict[int, frozenset[int]] = {}
-        self._samples: deque[tuple[float, float]] = deque()  # (wall, CPU s of the bound)
+        self._serving: list[int] = []
+        # (wall, CPU s of the bound processes, CPU s of the others)
+        self._samples: deque[tuple[float, float, float]] = deque()
         self.busy = False
 
     def place(self, roots: Iterable[int]) -> Placement:
@@ -98,9 +111,10 @@ class CorePlacer:
             and (pid, started) not in self._moved
             and _binds_openmp(pid)
         }
-        if bound.keys() != self._bound.keys():
-            self._bound = bound
-            self._samples.clear()
+        serving = sorted(processes.keys() - bound.keys())
+        if bound.keys() != self._bound.keys() or serving != self._serving:
+            self._bound, self._serving = bound, serving
+            self._samples.clear()  # a process that ended would read as negative CPU time
         self.busy = self._engines_busy()
         engine = frozenset().union(*bound.values())
         service = self.all_cores - engine
@@ -130,30 +144,43 @@ class CorePlacer:
         """Busy or idle by ``rule``, from a new sample of the bound processes' CPU time."""
         if not self._bound:
             return False
-        now = (time.monotonic(), sum(process_cpu_seconds(pid) for pid in self._bound))
+        now = (
+            time.monotonic(),
+            sum(process_cpu_seconds(pid) for pid in self._bound),
+            sum(process_cpu_seconds(pid) for pid in self._serving),
+        )
         samples = self._samples
         if samples and now[0] - samples[-1][0] < MIN_SAMPLE_GAP_S:
             samples.pop()  # a look just now (busy_changed, then place): this one replaces it
         samples.append(now)
         while len(samples) > 2 and now[0] - samples[1][0] >= self.rule.release_window_s:
             samples.popleft()
+        rule = self.rule
         if self.busy:
-            share = self._share(self.rule.release_window_s)
-            return share is None or share > self.rule.release
-        share = self._share(self.rule.engage_window_s)
-        return share is not None and share > self.rule.engage
+            shares = self._shares(rule.release_window_s)
+            return shares is None or (
+                shares[0] > rule.release and shares[1] > rule.serving_release
+            )
+        shares = self._shares(rule.engage_window_s)
+        return shares is not None and shares[0] > rule.engage and shares[1] > rule.serving_engage
 
-    def _share(self, window_s: float) -> float | None:
-        """The bound processes' share of their cores' time over about the last
-        ``window_s`` (None while the samples span too little time to judge)."""
+    def _shares(self, window_s: float) -> tuple[float, float] | None:
+        """The bound processes' share of their cores' time, and the others' share of
+        the remaining cores, over about the last ``window_s`` (None while the
+        samples span too little time to judge)."""
         now = self._samples[-1]
         then = next(
             (s for s in reversed(self._samples) if now[0] - s[0] >= window_s), self._samples[0]
         )
-        if now[0] - then[0] < MIN_WINDOW_S:
+        elapsed = now[0] - then[0]
+        if elapsed < MIN_WINDOW_S:
             return None  # /proc counts in 10 ms ticks
-        cores = len(frozenset().union(*self._bound.values()))
-        return (now[1] - then[1]) / (now[0] - then[0]) / cores
+        engine_cores = len(frozenset().union(*self._bound.values()))
+        other_cores = max(1, len(self.all_cores) - engine_cores)
+        return (
+            (now[1] - then[1]) / elapsed / engine_cores,
+            (now[2] - then[2]) / elapsed / other_cores,
+        )
 
 
 MIN_WINDOW_S = 0.5

@@ -1,4 +1,5 @@
-"""CPU placement: while an OpenMP-bound worker is busy, the mesh's threads leave its cores."""
+"""CPU placement: while an OpenMP-bound worker is busy and so is the rest of the
+mesh, the mesh's threads leave the worker's cores."""
 
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def look_again(placer: CorePlacer, roots: list[int]) -> tuple[frozenset[int], in
     return placement.service_cores, placement.moved
 
 
-def test_the_mesh_leaves_a_busy_workers_core_and_comes_back_when_it_idles(
+def test_a_busy_mesh_leaves_a_busy_workers_core_and_comes_back_when_it_idles(
     workers: list[Worker],
 ) -> None:
     engine_core = min(ALL_CORES)
@@ -112,6 +113,7 @@ def test_the_mesh_leaves_a_busy_workers_core_and_comes_back_when_it_idles(
     assert look_again(placer, roots) == (frozenset(), 0)  # idle: nothing moves
 
     engine.tell("busy")
+    plain.tell("busy")
     service, moved = look_again(placer, roots)
     assert service == rest
     assert moved >= 8  # every thread of the two other processes (4 + 4 at least)
@@ -123,12 +125,29 @@ def test_the_mesh_leaves_a_busy_workers_core_and_comes_back_when_it_idles(
     assert look_again(placer, roots) == (rest, 0)
 
     engine.tell("idle")
+    plain.tell("idle")
     time.sleep(RULE.release_window_s + 0.2)
     assert placer.busy_changed()
     assert look_again(placer, roots)[0] == frozenset()
     assert thread_cores(plain.pid) == {ALL_CORES}
     assert thread_cores(pinned.pid) == {ALL_CORES}
     assert thread_cores(engine.pid) == {frozenset({engine_core})}
+
+
+def test_a_busy_worker_beside_an_idle_mesh_moves_nothing(workers: list[Worker]) -> None:
+    """Requests seconds apart: the worker is busy (it computes, then polls for its
+    next step), the rest of the mesh barely works; it keeps every core, so a lone
+    request's hops are not crowded onto the cores the worker leaves."""
+    engine_core = min(ALL_CORES)
+    engine = Worker(engine_core, {"OMP_PLACES": f"{{{engine_core}}}"})
+    plain = Worker(-1, {})
+    workers += [engine, plain]
+    placer = CorePlacer(ALL_CORES, RULE)
+    placer.place([engine.pid, plain.pid])
+    engine.tell("busy")
+    assert look_again(placer, [engine.pid, plain.pid]) == (frozenset(), 0)
+    assert not placer.busy
+    assert thread_cores(plain.pid) == {ALL_CORES}
 
 
 def test_a_busy_process_that_binds_nothing_moves_nothing(workers: list[Worker]) -> None:
