@@ -158,9 +158,7 @@ class CorePlacer:
         rule = self.rule
         if self.busy:
             shares = self._shares(rule.release_window_s)
-            return shares is None or (
-                shares[0] > rule.release and shares[1] > rule.serving_release
-            )
+            return shares is None or (shares[0] > rule.release and shares[1] > rule.serving_release)
         shares = self._shares(rule.engage_window_s)
         return shares is not None and shares[0] > rule.engage and shares[1] > rule.serving_engage
 
