@@ -9,6 +9,11 @@ The request path, one line per step::
     execute()    the instance computes off the event loop, one result per request
     delivery     each caller gets its own result (in arrival order if preserve_ordering)
 
+Without dynamic batching, a request that finds nothing queued and an idle
+instance that calls it cheap (``ImmediateInstance``: a tokenizer's short text)
+skips the queue: it runs at once in the caller's task, which saves the worker's
+wake-up and the future's hand-off (~0.3 ms of a ~1.3 ms stage message).
+
 Batch planning follows Triton's ``GetDynamicBatch``: walk the queues in priority
 order from the head and keep requests while they have the head's shape key and the
 rows fit ``max_batch_size``; the first request that does not fit closes the batch
@@ -31,7 +36,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 from shared.errors import (
     ConfigError,
@@ -44,7 +49,14 @@ from shared.errors import (
 )
 from shared.request import InferRequest, InferResponse
 
-__all__ = ["BatchPolicy", "BatchRecord", "DynamicBatcher", "ModelInstance", "QueuePolicy"]
+__all__ = [
+    "BatchPolicy",
+    "BatchRecord",
+    "DynamicBatcher",
+    "ImmediateInstance",
+    "ModelInstance",
+    "QueuePolicy",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -167,6 +179,17 @@ class ModelInstance(Protocol):
         ...
 
 
+@runtime_checkable
+class ImmediateInstance(Protocol):
+    """An instance that can run a cheap batch right away, on the event loop."""
+
+    name: str
+
+    def execute_now(self, requests: list[InferRequest]) -> list[InferResponse | Exception] | None:
+        """The batch's results, computed here and now; None when it is not cheap."""
+        ...
+
+
 @dataclass(eq=False)
 class _Entry:
     """A queued or executing request and the future its caller awaits."""
@@ -222,6 +245,13 @@ class DynamicBatcher:
         self._level_sizes = [0] * policy.level_count
         self._order: deque[_Entry] = deque()  # arrival order, used with preserve_ordering
         self._executing = 0
+        self._busy: set[int] = set()  # ids of the instances running a batch
+        # Instances a request may run on at once (never while batches are combined).
+        self._immediate = (
+            ()
+            if self._combine
+            else tuple(i for i in self._instances if isinstance(i, ImmediateInstance))
+        )
         self._wakeup = asyncio.Event()  # the queue changed: replan
         self._planning = asyncio.Lock()  # one free worker plans at a time
         self._workers: list[asyncio.Task[None]] = []
@@ -254,6 +284,12 @@ class DynamicBatcher:
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """Queue ``request``, wait until its batch has run, and return its response."""
+        if self._immediate:
+            outcome = self._run_now(request)
+            if isinstance(outcome, BaseException):
+                raise outcome
+            if outcome is not None:
+                return outcome
         entry = self._admit(request)
         try:
             return await entry.future
@@ -280,7 +316,8 @@ class DynamicBatcher:
 
     # -- admission -------------------------------------------------------------
 
-    def _admit(self, request: InferRequest) -> _Entry:
+    def _admissible(self, request: InferRequest) -> tuple[int, int]:
+        """The request's queue level and rows; raises what a caller must hear."""
         if self._stopping:
             raise Unavailable(f"model '{self.name}' is stopping")
         if not self._started:
@@ -292,6 +329,46 @@ class DynamicBatcher:
                 f"model '{self.name}': batch size {rows} exceeds max_batch_size "
                 f"{self._policy.max_batch_size}"
             )
+        return level, rows
+
+    def _run_now(self, request: InferRequest) -> _Outcome | None:
+        """Run ``request`` in the caller's task when nothing waits ahead of it and an
+        idle instance finds it cheap; None to queue it as usual."""
+        if self.pending or self._order:
+            return None  # FIFO and arrival order stay as they are
+        _, rows = self._admissible(request)
+        for instance in self._immediate:
+            if id(instance) in self._busy:
+                continue
+            start_ns = time.monotonic_ns()
+            request.queue_start_ns = request.compute_start_ns = start_ns
+            try:
+                results = instance.execute_now([request])  # type: ignore[attr-defined]
+            except Exception as error:
+                results = [error]
+            if results is None:
+                return None
+            if self._on_batch is not None:
+                record = BatchRecord(
+                    self.name,
+                    instance.name,
+                    rows,
+                    1,
+                    (0,),
+                    time.monotonic_ns() - start_ns,
+                    sum(isinstance(r, BaseException) for r in results),
+                )
+                self._record(self._on_batch, record)
+            if len(results) != 1:
+                return MeshError(
+                    f"model '{self.name}': instance {instance.name} returned "
+                    f"{len(results)} results for 1 request"
+                )
+            return results[0]
+        return None
+
+    def _admit(self, request: InferRequest) -> _Entry:
+        level, rows = self._admissible(request)
         policy = self._policy.queue_policy(level + 1)
         if policy.max_queue_size and self._level_sizes[level] >= policy.max_queue_size:
             raise Overloaded(
@@ -464,6 +541,7 @@ class DynamicBatcher:
 
     async def _execute(self, instance: ModelInstance, batch: list[_Entry]) -> None:
         start_ns = time.monotonic_ns()
+        self._busy.add(id(instance))
         try:
             results = await self._call(instance, batch)
         except asyncio.CancelledError:
@@ -472,6 +550,7 @@ class DynamicBatcher:
                 self._fail(entry, stopped)
             raise
         finally:
+            self._busy.discard(id(instance))
             self._executing -= len(batch)
         compute_ns = time.monotonic_ns() - start_ns
         for entry, outcome in zip(batch, results, strict=True):
@@ -526,6 +605,9 @@ class DynamicBatcher:
         record = BatchRecord(
             self.name, instance, rows, len(batch), tuple(waits), compute_ns, errors
         )
+        self._record(on_batch, record)
+
+    def _record(self, on_batch: Callable[[BatchRecord], None], record: BatchRecord) -> None:
         try:
             on_batch(record)
         except Exception:  # statistics must never break serving

@@ -66,15 +66,27 @@ class ThreadedInstance:
     async def execute(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
         """Run the batch in this instance's thread (on the loop when the instance
         says it is cheap) and record its statistics."""
-        started = time.monotonic_ns()
-        if self._inline is not None and self._inline(requests):
-            results = self.instance.execute(requests)
-        else:
+        results = self.execute_now(requests)
+        if results is None:
+            started = time.monotonic_ns()
             loop = asyncio.get_running_loop()
             results = await loop.run_in_executor(self._executor, self.instance.execute, requests)
-        rows = sum(request.batch_size(self._batched) for request in requests)
-        self._stats.batch_done(rows, 0, time.monotonic_ns() - started, 0)
+            self._batch_done(requests, started)
         return results
+
+    def execute_now(self, requests: list[InferRequest]) -> list[InferResponse | Exception] | None:
+        """The batch run here, on the loop, when the instance says it is cheap; else
+        None (the batcher's ImmediateInstance)."""
+        if self._inline is None or not self._inline(requests):
+            return None
+        started = time.monotonic_ns()
+        results = self.instance.execute(requests)
+        self._batch_done(requests, started)
+        return results
+
+    def _batch_done(self, requests: list[InferRequest], started_ns: int) -> None:
+        rows = sum(request.batch_size(self._batched) for request in requests)
+        self._stats.batch_done(rows, 0, time.monotonic_ns() - started_ns, 0)
 
     def close(self) -> None:
         """Release the backend instance in its own thread, then the thread."""

@@ -244,6 +244,43 @@ def test_without_batching_each_request_runs_alone(policy: BatchPolicy) -> None:
     assert instance.batches == [[request.id] for request in requests]
 
 
+class QuickFake(FakeInstance):
+    """Runs requests whose id starts with "quick" at once (execute_now); the rest
+    the usual way, in execute."""
+
+    def __init__(self) -> None:
+        super().__init__(delay=0.05, batched=False)
+        self.now: list[list[str]] = []
+
+    def execute_now(self, requests: list[InferRequest]) -> list[InferResponse | Exception] | None:
+        if not all(request.id.startswith("quick") for request in requests):
+            return None
+        self.now.append([request.id for request in requests])
+        return self._compute(requests)
+
+
+def test_a_cheap_request_with_nothing_ahead_runs_at_once_in_the_callers_task() -> None:
+    instance = QuickFake()
+    records: list[BatchRecord] = []
+    policy = BatchPolicy(max_batch_size=0)
+
+    async def scenario() -> None:
+        batcher = DynamicBatcher(policy, [instance], name="m", on_batch=records.append)
+        async with serving(batcher):
+            await infer_and_check(batcher, make_request("quick-1", batched=False))
+            # An expensive request goes through the queue; while it runs, the instance
+            # is busy, so a cheap one queues behind it instead of cutting in.
+            slow = spawn(batcher, make_request("slow", batched=False))
+            await settle(0.01)
+            quick = spawn(batcher, make_request("quick-2", batched=False))
+            await asyncio.gather(*slow, *quick)
+
+    run(scenario())
+    assert instance.now == [["quick-1"]]
+    assert instance.batches == [["slow"], ["quick-2"]]
+    assert [(r.instance, r.request_count, r.batch_size) for r in records] == [("fake", 1, 1)] * 3
+
+
 # -- priorities, bounds and timeouts -------------------------------------------------
 
 
