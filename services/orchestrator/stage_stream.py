@@ -59,18 +59,21 @@ class StageStream:
         inject_parameters(request.parameters)
         self._outgoing.put_nowait(request)
 
-    async def read(self, model: str) -> pb.ModelStreamInferResponse:
-        """The next message; Unavailable when the stage ended the stream instead."""
+    async def read(self) -> pb.ModelStreamInferResponse | None:
+        """The next message; None once the stage has ended the stream (OK)."""
         message = await self._call.read()
         if message is grpc.aio.EOF:
-            raise Unavailable(f"model '{model}': the stage ended the stream")
+            return None
         response: pb.ModelStreamInferResponse = message
         return response
 
     async def ask(self, request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
         """Send ``request`` and read its answer (the stream has nothing else in flight)."""
         self.send(request)
-        return await self.read(request.model_name)
+        message = await self.read()
+        if message is None:
+            raise Unavailable(f"model '{request.model_name}': the stage ended the stream")
+        return message
 
     def done_sending(self) -> None:
         """Half-close: the stage ends the call (OK) once it has answered everything."""

@@ -50,13 +50,15 @@ async def relay(
     """
     stream, message = await _first_response(router, request, opened)
     try:
-        while True:
+        # A stage ends the stream after a decoupled model's last response; it marks
+        # that response final only where the model or the caller asked for one.
+        while message is not None:
             if message.error_message:
                 raise stream_error(message)
             yield message.infer_response
             if is_final(message.infer_response):
                 return
-            message = await stream.read(request.model_name)
+            message = await stream.read()
     except grpc.aio.AioRpcError as exc:
         raise error_for_status(exc.code(), exc.details() or "stream failed") from exc
     finally:
@@ -65,8 +67,9 @@ async def relay(
 
 async def _first_response(
     router: StageRouter, request: pb.ModelInferRequest, opened: Callable[[], None] | None
-) -> tuple[StageStream, pb.ModelStreamInferResponse]:
-    """Send ``request`` on a stage stream; the stream and its first message.
+) -> tuple[StageStream, pb.ModelStreamInferResponse | None]:
+    """Send ``request`` on a stage stream; the stream and its first message (None:
+    the stage ended the stream without one).
 
     A stream opened ahead may have ended meanwhile (its replica drained), so
     UNAVAILABLE before any response is retried once, on a new stream. Later
@@ -79,8 +82,8 @@ async def _first_response(
         if opened is not None and attempt == 0:
             opened()
         try:
-            return stream, await stream.read(request.model_name)
-        except (grpc.aio.AioRpcError, Unavailable) as exc:
+            return stream, await stream.read()
+        except grpc.aio.AioRpcError as exc:
             stream.cancel()
             _raise_unless_retried(exc, attempt)
         except BaseException:
