@@ -93,8 +93,12 @@ class MeshClient:
             call.cancel()
 
 
+def _event(document: Any) -> bytes:
+    return b"data: " + json.dumps(document).encode() + b"\n\n"
+
+
 async def _send(response: web.StreamResponse, document: Any) -> None:
-    await response.write(b"data: " + json.dumps(document).encode() + b"\n\n")
+    await response.write(_event(document))
 
 
 async def _pump(
@@ -104,10 +108,10 @@ async def _pump(
     rest: AsyncIterator[api.TextDelta],
 ) -> None:
     try:
-        if generation.chat:
-            await _send(response, generation.chunk(None))
-        for chunk in generation.chunks(first):
-            await _send(response, chunk)
+        # The role chunk and the first text in one write: the first token is not
+        # held up behind a separate event's trip through Envoy to the client.
+        opening = [generation.chunk(None)] if generation.chat else []
+        await response.write(b"".join(map(_event, [*opening, *generation.chunks(first)])))
         async for delta in rest:
             for chunk in generation.chunks(delta):
                 await _send(response, chunk)
