@@ -30,7 +30,8 @@ measured round. Under 16 streams TTFT is mostly the engine's prefill queue, so
 ``--probes`` lone one-token requests per target measure the time the path itself
 adds: the difference of p50s, and the median of differences between probes sent
 back to back with the same prompt (the engine's time for a prompt moves by tens
-of ms from probe to probe; pairing takes the prompt's share out). Token counts
+of ms from probe to probe; pairing takes the prompt's share out); each round of
+probes starts at the next target, so no target always follows the same one. Token counts
 come from each server's own usage numbers (transformers: the tokens before end
 of text), so a target that stops early is not credited with tokens it did not
 make. Everything started is stopped by PID (process group) on
@@ -460,8 +461,12 @@ async def measure(
                 if round_index:
                     rounds.append(done)
                 print(f"  round {round_index} {label}: {done.tokens_per_s:.1f} tok/s", flush=True)
+        order = list(runners.values())
         for index in range(settings.probes):
-            for run in runners.values():
+            # Each probe round starts at the next target, so that none always runs
+            # right after the same other one (an engine that just worked, say).
+            turn = index % len(order)
+            for run in order[turn:] + order[:turn]:
                 probes.append(await _timed(run, [texts[index % len(texts)]], 1))
     finally:
         for client in clients.values():
