@@ -29,11 +29,16 @@ def slow_request(ms: int) -> pb.ModelInferRequest:
     return request
 
 
-def test_sigterm_drains_in_flight_rpc(python_models_repo: Path) -> None:
-    service = ServiceProcess(
+def draining_service(repository: Path) -> ServiceProcess:
+    """An inference service on the python test models, with a grace period of GRACE_S."""
+    return ServiceProcess(
         "services.inference.main",
-        ["--model-repository", str(python_models_repo), "--grace-period-s", str(GRACE_S)],
+        ["--model-repository", str(repository), "--grace-period-s", str(GRACE_S)],
     )
+
+
+def test_sigterm_drains_in_flight_rpc(python_models_repo: Path) -> None:
+    service = draining_service(python_models_repo)
     try:
         channel = grpc.insecure_channel(service.address)
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -76,10 +81,7 @@ def test_an_idle_stream_does_not_hold_the_drain(python_models_repo: Path) -> Non
     """A ModelStreamInfer opened with no request yet (the orchestrator keeps such
     spares) is not work in flight: SIGTERM ends it and the process exits at once,
     not after its grace period; the caller sees UNAVAILABLE on it."""
-    service = ServiceProcess(
-        "services.inference.main",
-        ["--model-repository", str(python_models_repo), "--grace-period-s", str(GRACE_S)],
-    )
+    service = draining_service(python_models_repo)
     try:
         channel = grpc.insecure_channel(service.address)
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
