@@ -10,7 +10,7 @@ The request path, one line per step::
     delivery     each caller gets its own result (in arrival order if preserve_ordering)
 
 Without dynamic batching, a request that finds nothing queued and an idle
-instance that calls it cheap (``ImmediateInstance``: a tokenizer's short text)
+instance that calls it cheap (an ``ImmediateInstance``: a tokenizer's short text)
 skips the queue: it runs at once in the caller's task, which saves the worker's
 wake-up and the future's hand-off (~0.3 ms of a ~1.3 ms stage message).
 

@@ -66,7 +66,7 @@ class ThreadedInstance:
     async def execute(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
         """Run the batch in this instance's thread (on the loop when the instance
         says it is cheap) and record its statistics."""
-        results = self.execute_now(requests)
+        results = self._run_inline(requests)
         if results is None:
             started = time.monotonic_ns()
             loop = asyncio.get_running_loop()
@@ -74,9 +74,8 @@ class ThreadedInstance:
             self._batch_done(requests, started)
         return results
 
-    def execute_now(self, requests: list[InferRequest]) -> list[InferResponse | Exception] | None:
-        """The batch run here, on the loop, when the instance says it is cheap; else
-        None (the batcher's ImmediateInstance)."""
+    def _run_inline(self, requests: list[InferRequest]) -> list[InferResponse | Exception] | None:
+        """The batch run here, on the loop, when the instance says it is cheap; else None."""
         if self._inline is None or not self._inline(requests):
             return None
         started = time.monotonic_ns()
@@ -94,6 +93,16 @@ class ThreadedInstance:
             self._executor.submit(self.instance.close).result(timeout=30)
         finally:
             self._executor.shutdown(wait=False)
+
+
+class QuickThreadedInstance(ThreadedInstance):
+    """A ThreadedInstance of a QuickInstance backend: the batcher may also run a
+    cheap request on it at once (ImmediateInstance). Model backends get the plain
+    ThreadedInstance, so their requests never take that detour."""
+
+    def execute_now(self, requests: list[InferRequest]) -> list[InferResponse | Exception] | None:
+        """The batch run here, on the loop, when the instance says it is cheap; else None."""
+        return self._run_inline(requests)
 
 
 def batch_policy(config: mc.ModelConfig) -> BatchPolicy:
@@ -269,9 +278,12 @@ class ModelVersion:
             backend_instance = await loop.run_in_executor(
                 executor, self.backend.create_instance, self.spec, instance_spec
             )
-            threaded = ThreadedInstance(
-                instance_spec, backend_instance, executor, self.stats, self.batched
+            kind = (
+                QuickThreadedInstance
+                if isinstance(backend_instance, QuickInstance)
+                else ThreadedInstance
             )
+            threaded = kind(instance_spec, backend_instance, executor, self.stats, self.batched)
             self.instances.append(threaded)
         self.batcher = DynamicBatcher(
             batch_policy(self.spec.config),

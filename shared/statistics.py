@@ -214,6 +214,8 @@ class _VersionSeries:
     lookup per request and metric cost a stage ~0.1 ms per request)."""
 
     def __init__(self, metrics: Metrics, labels: tuple[str, str]) -> None:
+        self._failure = metrics.failure
+        self._labels = labels
         self.success = metrics.success.labels(*labels)
         self.request_us = metrics.request_us.labels(*labels)
         self.queue_us = metrics.queue_us.labels(*labels)
@@ -225,15 +227,17 @@ class _VersionSeries:
         self.batch_size = metrics.batch_size.labels(*labels)
         self.pending = metrics.pending.labels(*labels)
 
+    def failed(self, reason: str) -> None:
+        """Count a failure (its series, one per reason, is looked up here)."""
+        self._failure.labels(*self._labels, reason).inc()
+
 
 class StatsRecorder:
     """Feeds one model version's ModelStats and the service's Metrics."""
 
     def __init__(self, model: str, version: str, metrics: Metrics | None) -> None:
         self.stats = ModelStats()
-        self._labels = (model, version)
-        self._metrics = metrics
-        self._series = _VersionSeries(metrics, self._labels) if metrics is not None else None
+        self._series = _VersionSeries(metrics, (model, version)) if metrics is not None else None
         self._lock = threading.Lock()
 
     def request_done(self, duration_ns: int, queue_ns: int, ok: bool, reason: str = "") -> None:
@@ -243,7 +247,7 @@ class StatsRecorder:
             if ok:
                 self.stats.queue.add(queue_ns)
                 self.stats.last_inference_ms = int(time.time() * 1000)
-        if self._metrics is None or self._series is None:
+        if self._series is None:
             return
         if ok:
             self._series.success.inc()
@@ -251,7 +255,7 @@ class StatsRecorder:
             self._series.queue_us.inc(queue_ns / _US)
             self._series.queue_seconds.observe(queue_ns / 1e9)
         else:
-            self._metrics.failure.labels(*self._labels, reason or "OTHER").inc()
+            self._series.failed(reason or "OTHER")
 
     def batch_done(self, rows: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         """One batch executed: its rows and its compute phases."""
