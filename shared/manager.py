@@ -161,11 +161,11 @@ class ModelManager:
                 ]
                 continue
             try:
-                entry = self.repository.entry(name)
+                config = self.repository.config(name)
             except ConfigError as exc:
                 rows.append(IndexEntry(name, "", "UNAVAILABLE", str(exc)))
                 continue
-            if self.hosts(entry):
+            if self._backend_name(config) in self.backends:
                 rows.append(IndexEntry(name, "", "UNAVAILABLE", self._failed.get(name, "")))
         if ready_only:
             rows = [row for row in rows if row.state == "READY"]

@@ -207,6 +207,14 @@ class ModelRepository:
         )
         return ModelEntry(name=name, path=path, config=config, versions_on_disk=versions)
 
+    def config(self, name: str) -> mc.ModelConfig:
+        """The parsed config of a model named by ``names()``, shared: do not change it.
+
+        For a look over every model (RepositoryIndex, every few seconds):
+        no copy, no listing of version folders.
+        """
+        return self._config(name, self.root / name / CONFIG_FILE)
+
     def _config(self, name: str, config_path: Path) -> mc.ModelConfig:
         """The parsed, validated config; from the cache while the file is unchanged."""
         text = read_config(config_path)
