@@ -79,9 +79,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             )
         behavior = handler.stream_stream
         return grpc.stream_stream_rpc_method_handler(
-            self._wrap_request_stream(behavior, method, ctx)
-            if inspect.isasyncgenfunction(behavior)
-            else self._wrap_any(behavior, method, ctx),
+            self._wrap_request_stream(behavior, method, ctx),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
@@ -147,15 +145,25 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
         return wrapped
 
-    def _wrap_request_stream(
-        self, behavior: Streaming, method: str, ctx: otel_context.Context
-    ) -> Any:
+    def _wrap_request_stream(self, behavior: Any, method: str, ctx: otel_context.Context) -> Any:
         """A bidirectional stream counts as in flight, and its span starts, with its
         first request: a stream opened ahead of its requests (the orchestrator
         keeps some open) holds no drain while it idles, and when its metadata
-        carries no trace context, its first request's parameters do."""
+        carries no trace context, its first request's parameters do. The handler
+        either yields its responses or writes them with ``context.write``."""
 
-        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def written(request: Any, context: grpc.aio.ServicerContext) -> None:
+            requests = _AdmittedRequests(self, method, ctx, request)
+            try:
+                await behavior(requests, context)
+            except BaseException as exc:
+                await _abort(context, requests.span, exc, method)
+                raise
+            finally:
+                self.in_flight -= requests.counted
+                requests.span.end()
+
+        async def yielded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             requests = _AdmittedRequests(self, method, ctx, request)
             try:
                 async for item in behavior(requests, context):
@@ -167,7 +175,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 self.in_flight -= requests.counted
                 requests.span.end()
 
-        return wrapped
+        return yielded if inspect.isasyncgenfunction(behavior) else written
 
 
 class _AdmittedRequests:

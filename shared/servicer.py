@@ -142,54 +142,50 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             name=SERVER_NAME, version=SERVER_VERSION, extensions=list(EXTENSIONS)
         )
 
-    async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
-        # Requests of one stream run concurrently; each response is sent as soon
-        # as it is ready, and a failed request becomes error_message, not the end
-        # of the stream (what tritonclient's streaming callback expects). When
-        # the caller goes away, the handler is cancelled and so is every request
-        # still running, which stops the generation behind a decoupled model.
-        results: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+    async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> None:
+        # Requests of one stream run concurrently; each response is written as
+        # soon as it is ready (by the request's own task: no hand-off to another
+        # task on the way out), and a failed request becomes error_message, not
+        # the end of the stream (what tritonclient's streaming callback expects).
+        # When the caller goes away, this handler is cancelled and so is every
+        # request still running, which stops the generation behind a decoupled model.
+        writing = asyncio.Lock()  # one message at a time on the call
         tasks: set[asyncio.Task[None]] = set()
+
+        async def send(message: pb.ModelStreamInferResponse) -> None:
+            async with writing:
+                await context.write(message)
 
         async def one(request: pb.ModelInferRequest) -> None:
             answers = self.stream_responses(request, context)
             try:
                 async for answer in answers:
-                    await results.put(pb.ModelStreamInferResponse(infer_response=answer))
+                    await send(pb.ModelStreamInferResponse(infer_response=answer))
             except MeshError as exc:
-                await results.put(stream_error(request, exc))
+                await send(stream_error(request, exc))
             except Exception:
                 # As the interceptor does for unary calls: log it, tell the caller little.
                 log.exception("unexpected error in a ModelStreamInfer request")
-                await results.put(stream_error(request, MeshError(GENERIC_INTERNAL_MESSAGE)))
+                await send(stream_error(request, MeshError(GENERIC_INTERNAL_MESSAGE)))
             finally:
                 # Close it now (a cancelled request's generation stops here), not at GC.
                 aclose = getattr(answers, "aclose", None)
                 if aclose is not None:
                     await aclose()
 
-        async def read() -> None:
-            try:
-                async for request in request_iterator:
-                    task = asyncio.create_task(one(request))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                while tasks:
-                    await asyncio.gather(*list(tasks))
-            finally:
-                results.put_nowait(None)  # also when reading failed: `await reader` re-raises
-
-        reader = asyncio.create_task(read())
         try:
-            while (item := await results.get()) is not None:
-                yield item
-            await reader
+            async for request in request_iterator:
+                task = asyncio.create_task(one(request))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            while tasks:
+                await asyncio.gather(*list(tasks))
         finally:
-            reader.cancel()
             for task in list(tasks):
                 task.cancel()
-            # Let the cancelled requests finish their clean-up (an engine abort) first.
-            await asyncio.wait([reader, *tasks], timeout=10)
+            if tasks:
+                # Let the cancelled requests finish their clean-up (an engine abort) first.
+                await asyncio.wait(list(tasks), timeout=10)
 
     async def stream_responses(
         self, request: pb.ModelInferRequest, context: Any
