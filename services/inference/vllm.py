@@ -40,6 +40,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -116,33 +117,60 @@ class LlmMetrics:
         return (self.running, self.waiting, self.unfinished, self.kv_cache_usage)
 
 
-class _RequestTimer:
-    """Feeds one request's latencies and token counts to the metrics."""
+@dataclass(frozen=True)
+class _ModelSeries:
+    """One model version's children of the ``LlmMetrics``, looked up once per
+    instance rather than per token: a label lookup is a locked dict access, and
+    the first token's path through the service is where a lone request waits."""
 
-    def __init__(self, metrics: LlmMetrics, labels: tuple[str, str]) -> None:
-        self.metrics = metrics
-        self.labels = labels
+    metrics: LlmMetrics
+    labels: tuple[str, str]
+    time_to_first_token: Histogram
+    inter_token_latency: Histogram
+    request_duration: Histogram
+    prompt_tokens: Counter
+    generation_tokens: Counter
+
+    @classmethod
+    def of(cls, metrics: LlmMetrics, labels: tuple[str, str]) -> _ModelSeries:
+        """Look the children up (created on first use)."""
+        return cls(
+            metrics,
+            labels,
+            metrics.time_to_first_token.labels(*labels),
+            metrics.inter_token_latency.labels(*labels),
+            metrics.request_duration.labels(*labels),
+            metrics.prompt_tokens.labels(*labels),
+            metrics.generation_tokens.labels(*labels),
+        )
+
+
+class _RequestTimer:
+    """Feeds one request's latencies and token counts to its model's series."""
+
+    def __init__(self, series: _ModelSeries) -> None:
+        self.series = series
         self.started = time.monotonic()
         self.last: float | None = None
 
     def tokens(self, count: int, prompt_tokens: int) -> None:
         """``count`` new tokens arrived now."""
         now = time.monotonic()
+        series = self.series
         if self.last is None:
-            self.metrics.time_to_first_token.labels(*self.labels).observe(now - self.started)
-            self.metrics.prompt_tokens.labels(*self.labels).inc(prompt_tokens)
+            series.time_to_first_token.observe(now - self.started)
+            series.prompt_tokens.inc(prompt_tokens)
         else:
             for _ in range(count):
-                self.metrics.inter_token_latency.labels(*self.labels).observe(
-                    (now - self.last) / count
-                )
+                series.inter_token_latency.observe((now - self.last) / count)
         self.last = now
-        self.metrics.generation_tokens.labels(*self.labels).inc(count)
+        series.generation_tokens.inc(count)
 
     def done(self, finish_reason: str) -> None:
         """The request ended (``abort`` when it was cancelled)."""
-        self.metrics.request_duration.labels(*self.labels).observe(time.monotonic() - self.started)
-        self.metrics.finished.labels(*self.labels, finish_reason).inc()
+        series = self.series
+        series.request_duration.observe(time.monotonic() - self.started)
+        series.metrics.finished.labels(*series.labels, finish_reason).inc()
 
 
 def _prepare_environment() -> None:
@@ -187,6 +215,7 @@ class VllmInstance:
         _check_device(spec, instance)  # imports vllm (seconds): we are in a worker thread
         self.metrics = metrics
         self.labels = (spec.name, str(spec.version))
+        self._series = _ModelSeries.of(metrics, self.labels)
         self.where = f"model '{spec.name}'"
         self._engine: AsyncLLM | None = None
         self._vocab_size = 0
@@ -236,7 +265,7 @@ class VllmInstance:
         params = self._sampling(request).params(f"{self.where}: {SAMPLING}")
         self._admit()
         request_id = f"{request.id or 'request'}-{uuid.uuid4().hex}"
-        timer = _RequestTimer(self.metrics, self.labels)
+        timer = _RequestTimer(self._series)
         generated: list[int] = []
         finish = "abort"
         try:
