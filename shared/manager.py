@@ -51,9 +51,9 @@ class ModelManager:
         self._failed: dict[str, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
-    def hosts(self, entry: ModelEntry) -> bool:
+    def hosts(self, config: mc.ModelConfig) -> bool:
         """True when one of this service's backends runs the model."""
-        return self._backend_name(entry.config) in self.backends
+        return self._backend_name(config) in self.backends
 
     @staticmethod
     def _backend_name(config: mc.ModelConfig) -> str:
@@ -64,7 +64,7 @@ class ModelManager:
     async def load_all(self, names: Iterable[str] | None = None) -> None:
         """Load the given models, or every model this service hosts."""
         if names is None:
-            entries = [e for e in self.repository.entries() if self.hosts(e)]
+            entries = [e for e in self.repository.entries() if self.hosts(e.config)]
             names = [entry.name for entry in entries]
         for name in names:
             await self.load(name)
@@ -165,7 +165,7 @@ class ModelManager:
             except ConfigError as exc:
                 rows.append(IndexEntry(name, "", "UNAVAILABLE", str(exc)))
                 continue
-            if self._backend_name(config) in self.backends:
+            if self.hosts(config):
                 rows.append(IndexEntry(name, "", "UNAVAILABLE", self._failed.get(name, "")))
         if ready_only:
             rows = [row for row in rows if row.state == "READY"]
