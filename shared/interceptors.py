@@ -8,6 +8,7 @@ goes to the log.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -145,6 +146,26 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
         return wrapped
 
+    @contextlib.asynccontextmanager
+    async def _admitted(
+        self,
+        method: str,
+        ctx: otel_context.Context,
+        request: Any,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[_AdmittedRequests]:
+        """A request stream's requests, admitted at the first; ends its span and its
+        in-flight count, and turns a failure into the RPC's status."""
+        requests = _AdmittedRequests(self, method, ctx, request)
+        try:
+            yield requests
+        except BaseException as exc:
+            await _abort(context, requests.span, exc, method)
+            raise
+        finally:
+            self.in_flight -= requests.counted
+            requests.span.end()
+
     def _wrap_request_stream(self, behavior: Any, method: str, ctx: otel_context.Context) -> Any:
         """A bidirectional stream counts as in flight, and its span starts, with its
         first request: a stream opened ahead of its requests (the orchestrator
@@ -153,27 +174,13 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         either yields its responses or writes them with ``context.write``."""
 
         async def written(request: Any, context: grpc.aio.ServicerContext) -> None:
-            requests = _AdmittedRequests(self, method, ctx, request)
-            try:
+            async with self._admitted(method, ctx, request, context) as requests:
                 await behavior(requests, context)
-            except BaseException as exc:
-                await _abort(context, requests.span, exc, method)
-                raise
-            finally:
-                self.in_flight -= requests.counted
-                requests.span.end()
 
         async def yielded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            requests = _AdmittedRequests(self, method, ctx, request)
-            try:
+            async with self._admitted(method, ctx, request, context) as requests:
                 async for item in behavior(requests, context):
                     yield item
-            except BaseException as exc:
-                await _abort(context, requests.span, exc, method)
-                raise
-            finally:
-                self.in_flight -= requests.counted
-                requests.span.end()
 
         return yielded if inspect.isasyncgenfunction(behavior) else written
 
