@@ -44,6 +44,10 @@ import grpc
 import numpy as np
 from common import DEFAULT_REPOSITORY, ROOT, format_table, load_average, missing_models
 
+from inference import grpc_service_pb2 as pb
+from inference import grpc_service_pb2_grpc as pb_grpc
+from shared.tensors import encode_inputs
+
 RoundTrip = Callable[[], Awaitable[None]]
 """One message out and its answer back, on an open connection."""
 
@@ -148,10 +152,6 @@ def grpc_round_trip(channel: grpc.aio.Channel) -> RoundTrip:
 
 
 def tokenizer_round_trip(channel: grpc.aio.Channel) -> RoundTrip:
-    from inference import grpc_service_pb2 as pb
-    from inference import grpc_service_pb2_grpc as pb_grpc
-    from shared.tensors import encode_inputs
-
     request = pb.ModelInferRequest(model_name="smollm2_tokenizer")
     encode_inputs(request, {"MESSAGES": np.array([json.dumps(_CHAT).encode()], dtype=object)})
     call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer()  # type: ignore[no-untyped-call]
