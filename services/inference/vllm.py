@@ -40,7 +40,6 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -117,32 +116,24 @@ class LlmMetrics:
         return (self.running, self.waiting, self.unfinished, self.kv_cache_usage)
 
 
-@dataclass(frozen=True)
 class _ModelSeries:
     """One model version's children of the ``LlmMetrics``, looked up once per
-    instance rather than per token: a label lookup is a locked dict access, and
-    the first token's path through the service is where a lone request waits."""
+    instance rather than per token (as shared/statistics.py does for the Triton
+    metrics): a label lookup is a locked dict access, and the first token's path
+    through the service is where a lone request waits."""
 
-    metrics: LlmMetrics
-    labels: tuple[str, str]
-    time_to_first_token: Histogram
-    inter_token_latency: Histogram
-    request_duration: Histogram
-    prompt_tokens: Counter
-    generation_tokens: Counter
+    def __init__(self, metrics: LlmMetrics, labels: tuple[str, str]) -> None:
+        self._finished = metrics.finished
+        self._labels = labels
+        self.time_to_first_token = metrics.time_to_first_token.labels(*labels)
+        self.inter_token_latency = metrics.inter_token_latency.labels(*labels)
+        self.request_duration = metrics.request_duration.labels(*labels)
+        self.prompt_tokens = metrics.prompt_tokens.labels(*labels)
+        self.generation_tokens = metrics.generation_tokens.labels(*labels)
 
-    @classmethod
-    def of(cls, metrics: LlmMetrics, labels: tuple[str, str]) -> _ModelSeries:
-        """Look the children up (created on first use)."""
-        return cls(
-            metrics,
-            labels,
-            metrics.time_to_first_token.labels(*labels),
-            metrics.inter_token_latency.labels(*labels),
-            metrics.request_duration.labels(*labels),
-            metrics.prompt_tokens.labels(*labels),
-            metrics.generation_tokens.labels(*labels),
-        )
+    def finished(self, reason: str) -> None:
+        """Count an ended request (its series, one per reason, is looked up here)."""
+        self._finished.labels(*self._labels, reason).inc()
 
 
 class _RequestTimer:
@@ -170,7 +161,7 @@ class _RequestTimer:
         """The request ended (``abort`` when it was cancelled)."""
         series = self.series
         series.request_duration.observe(time.monotonic() - self.started)
-        series.metrics.finished.labels(*series.labels, finish_reason).inc()
+        series.finished(finish_reason)
 
 
 def _prepare_environment() -> None:
@@ -215,7 +206,7 @@ class VllmInstance:
         _check_device(spec, instance)  # imports vllm (seconds): we are in a worker thread
         self.metrics = metrics
         self.labels = (spec.name, str(spec.version))
-        self._series = _ModelSeries.of(metrics, self.labels)
+        self._series = _ModelSeries(metrics, self.labels)
         self.where = f"model '{spec.name}'"
         self._engine: AsyncLLM | None = None
         self._vocab_size = 0
