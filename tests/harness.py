@@ -8,9 +8,11 @@ tritonclient cannot share a process with our generated ``inference`` package
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +29,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CLIENTS = Path(__file__).resolve().parent / "clients"
 READY_MARKER = "MESHSERVE_READY"
 
+_LOGS = Path(tempfile.mkdtemp(prefix="meshserve-test-logs-"))
+"""The services' stderr files: one folder per test process, removed when it exits
+(a service that fails to start puts its log in the error)."""
+atexit.register(shutil.rmtree, _LOGS, ignore_errors=True)
+
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 """Prometheus samples: (metric name, label pairs) -> value."""
 
@@ -41,7 +48,7 @@ class ServiceProcess:
         env: dict[str, str] | None = None,
         timeout: float = 120.0,
     ) -> None:
-        self.log_path = Path(tempfile.mkstemp(prefix=f"{module}-", suffix=".log")[1])
+        self.log_path = Path(tempfile.mkstemp(prefix=f"{module}-", suffix=".log", dir=_LOGS)[1])
         self._log = self.log_path.open("w")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
