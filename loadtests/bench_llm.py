@@ -338,34 +338,34 @@ def vllm_server(repository: Path, timeout_s: float = 600) -> Iterator[str]:
     port = free_port()
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     command += ["--host", "127.0.0.1", "--port", str(port), *flags]
-    with tempfile.NamedTemporaryFile(
-        "w", prefix="vllm-server-", suffix=".log", delete=False
-    ) as log:
-        proc = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **env},
-            start_new_session=True,  # its own group: the engine process is stopped with it
-        )
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not _healthy(f"http://127.0.0.1:{port}/health"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = Path(log.name).read_text()[-3000:]
-                raise RuntimeError(f"vLLM's server did not start; log tail:\n{tail}")
-            time.sleep(1)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+    # Its log, ZeroMQ sockets and rendezvous file go to a folder removed after it.
+    with tempfile.TemporaryDirectory(prefix="vllm-server-") as private:
+        log_path = Path(private) / "server.log"
+        with log_path.open("w") as log:
+            proc = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env, "VLLM_RPC_BASE_PATH": private, "TMPDIR": private},
+                start_new_session=True,  # its own group: the engine process is stopped with it
+            )
         try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
+            deadline = time.monotonic() + timeout_s
+            while not _healthy(f"http://127.0.0.1:{port}/health"):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    tail = log_path.read_text()[-3000:]
+                    raise RuntimeError(f"vLLM's server did not start; log tail:\n{tail}")
+                time.sleep(1)
+            yield f"http://127.0.0.1:{port}/v1"
+        finally:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        Path(log.name).unlink(missing_ok=True)
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def _healthy(url: str) -> bool:

