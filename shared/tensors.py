@@ -91,11 +91,13 @@ def datatype_of(array: np.ndarray) -> str:
     raise InvalidArgument(f"numpy dtype {array.dtype} has no v2 datatype")
 
 
-def _element_count(name: str, shape: Sequence[int]) -> int:
+def element_count(what: str, shape: Sequence[int]) -> int:
+    """Elements in ``shape`` (exact: Python ints do not overflow); ``what`` names the
+    tensor in the error a negative dimension gets."""
     count = 1
     for dim in shape:
         if dim < 0:
-            raise InvalidArgument(f"tensor '{name}': shape {list(shape)} has a negative dimension")
+            raise InvalidArgument(f"{what}: shape {list(shape)} has a negative dimension")
         count *= dim
     return count
 
@@ -141,7 +143,7 @@ def serialize_bytes(array: np.ndarray) -> bytes:
 def decode_raw(name: str, datatype: str, shape: Sequence[int], raw: bytes) -> np.ndarray:
     """A raw little-endian buffer -> array, checking its byte length."""
     dtype = _dtype(name, datatype)
-    count = _element_count(name, shape)
+    count = element_count(f"tensor '{name}'", shape)
     if datatype == "BYTES":
         return deserialize_bytes(name, raw, count).reshape(shape)
     expected = count * dtype.itemsize
@@ -164,7 +166,7 @@ def decode_typed(
             f"tensor '{name}': {datatype} cannot travel in typed contents; use raw_input_contents"
         )
     values = getattr(contents, field)
-    count = _element_count(name, shape)
+    count = element_count(f"tensor '{name}'", shape)
     if len(values) != count:
         raise InvalidArgument(
             f"tensor '{name}': shape {list(shape)} needs {count} elements, "

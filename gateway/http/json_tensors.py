@@ -14,17 +14,11 @@ from typing import Any
 import numpy as np
 
 from shared.errors import InvalidArgument
-from shared.tensors import DATATYPES, decode_raw, encode_raw, serialize_bytes
+from shared.tensors import DATATYPES, decode_raw, element_count, encode_raw, serialize_bytes
 
 _UINT64_MAX = 2**64 - 1
 _FLOATS = frozenset({"FP16", "FP32", "FP64", "BF16"})
 _KIND_NAMES = {"b": "booleans", "f": "fractional numbers", "U": "strings"}
-
-
-def _element_count(what: str, shape: list[int]) -> int:
-    if any(dim < 0 for dim in shape):
-        raise InvalidArgument(f"{what}: shape {shape} has a negative dimension")
-    return int(np.prod(shape, dtype=np.int64)) if shape else 1
 
 
 def _flatten(data: Any) -> list[Any]:
@@ -95,7 +89,7 @@ def json_to_raw(name: str, datatype: str, shape: list[int], data: Any) -> bytes:
         raise InvalidArgument(
             f"{what}: unknown datatype '{datatype}' (expected one of {', '.join(DATATYPES)})"
         )
-    count = _element_count(what, shape)
+    count = element_count(what, shape)
     if data is None:
         raise InvalidArgument(f"{what}: no 'data' and no 'binary_data_size' parameter")
     if datatype == "BYTES":
