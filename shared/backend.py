@@ -17,7 +17,6 @@ with a stream of responses, the last one ``final``.
 from __future__ import annotations
 
 import abc
-import json
 import os
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field, fields
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 import numpy as np
 
 from inference import model_config_pb2 as mc
+from shared import jsontext
 from shared.errors import ConfigError, InvalidArgument
 from shared.request import InferRequest, InferResponse
 
@@ -243,8 +243,8 @@ def parameter_settings(
 def json_object(raw: Any, where: str) -> dict[str, Any]:
     """One JSON object from a BYTES element; errors name ``where``."""
     try:
-        value = json.loads(raw)
-    except (ValueError, TypeError) as exc:  # UnicodeDecodeError and JSONDecodeError included
+        value = jsontext.parse(raw)
+    except (ValueError, TypeError) as exc:  # TypeError: not bytes or str
         raise InvalidArgument(f"{where} is not valid JSON: {exc}") from exc
     if not isinstance(value, dict):
         raise InvalidArgument(f"{where} must be a JSON object")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from typing import Any
 
 from google.protobuf import json_format
@@ -20,6 +19,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from inference import grpc_service_pb2 as pb
+from shared import jsontext
 from shared.errors import InvalidArgument
 
 _INT64_TYPES = frozenset(
@@ -83,8 +83,8 @@ def _object(body: bytes, what: str) -> dict[str, Any]:
     if not body.strip():
         return {}
     try:
-        document = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+        document = jsontext.parse(body)
+    except ValueError as exc:
         raise InvalidArgument(f"{what}: malformed JSON in the request body: {exc}") from exc
     if not isinstance(document, dict):
         raise InvalidArgument(f"{what}: the request body must be a JSON object")

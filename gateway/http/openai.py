@@ -44,6 +44,7 @@ from gateway.http.openai_documents import (
 from gateway.http.upstream import Upstream
 from meshserve.v1 import meshserve_pb2 as api
 from meshserve.v1 import meshserve_pb2_grpc as api_grpc
+from shared import jsontext
 from shared.errors import InvalidArgument, MeshError, NotFound, error_for_status
 
 PREFIX = "/v1/"
@@ -162,9 +163,9 @@ class OpenAIApi:
         raw = await self._read_body(request)
         try:
             if len(raw) > _INLINE_BYTES:
-                body = await asyncio.to_thread(json.loads, raw)
+                body = await asyncio.to_thread(jsontext.parse, raw)
             else:
-                body = json.loads(raw)
+                body = jsontext.parse(raw)
         except ValueError as exc:
             raise InvalidArgument(f"the request body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):

@@ -30,6 +30,7 @@ import numpy as np
 from tokenizers import Encoding, Tokenizer
 
 from inference import model_config_pb2 as mc
+from shared import jsontext
 from shared.backend import InstanceSpec, ModelSpec, parameter_settings
 from shared.errors import ConfigError, InvalidArgument
 from shared.request import InferRequest, InferResponse
@@ -279,8 +280,8 @@ class ChatTemplate:
 def parse_messages(item: Any, label: str) -> list[dict[str, Any]]:
     """Parse and check one chat: a non-empty JSON list of objects with role and content."""
     try:
-        messages = json.loads(item)
-    except (ValueError, TypeError) as exc:  # UnicodeDecodeError and JSONDecodeError included
+        messages = jsontext.parse(item)
+    except (ValueError, TypeError) as exc:  # TypeError: not bytes or str
         raise InvalidArgument(f"{label}: not valid JSON: {exc}") from exc
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument(f"{label}: expected a non-empty JSON list of messages")

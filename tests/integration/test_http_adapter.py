@@ -186,6 +186,33 @@ def test_malformed_json_is_400_naming_the_problem(adapter: ServiceProcess) -> No
     assert "inputs[0].shape" in json.loads(body)["error"]
 
 
+def test_json_beyond_the_parser_is_400_not_500(adapter: ServiceProcess) -> None:
+    # Python's json module takes an escaped lone surrogate (no protobuf string
+    # can hold it) and fails deep nesting with RecursionError; neither may reach
+    # the handlers as an internal error, on any route that reads JSON.
+    lone_surrogate = b'{"model": "llm", "messages": [{"role": "user", "content": "\\udcff"}]}'
+    deep = b"[" * 5000 + b"]" * 5000
+    routes = [
+        ("/v1/chat/completions", "the request body is not valid JSON"),
+        ("/v1/embeddings", "the request body is not valid JSON"),
+        ("/v2/repository/index", "malformed JSON"),
+        ("/v2/repository/models/add_sub/load", "malformed JSON"),
+        ("/v2/models/add_sub/infer", "malformed JSON"),
+    ]
+    for route, problem in routes:
+        for body, detail in ((lone_surrogate, "surrogate"), (deep, "recursion limit")):
+            status, _, answer = http("POST", url(adapter, route), body)
+            assert status == 400, (route, answer)
+            message = answer.decode()
+            assert problem in message and detail in message, (route, message)
+    # An escaped surrogate pair is one character, and well-formed.
+    emoji = b'{"model": "nope", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}'
+    status, _, answer = http("POST", url(adapter, "/v1/chat/completions"), emoji)
+    assert status == 404 and "nope" in answer.decode()
+    status, _, _ = http("GET", url(adapter, "/v2/health/ready"))
+    assert status == 200
+
+
 def test_unknown_model_is_404(adapter: ServiceProcess) -> None:
     status, _, body = http("POST", url(adapter, "/v2/models/nope/infer"), infer_body([1, 2, 3, 4]))
     assert status == 404
@@ -421,6 +448,9 @@ def test_json_tensor_codec_rejects_naming_the_tensor() -> None:
         ("BYTES", ["a", "b", "c", 4], "strings"),
         ("COMPLEX", [1, 2, 3, 4], "unknown datatype"),
     ]
+    # An element count past int64 is exact, not wrapped round to a small number.
+    with pytest.raises(InvalidArgument, match=f"needs {2**124} elements"):
+        json_tensors.json_to_raw("T", "FP32", [2**62, 2**62], [1])
     for datatype, data, problem in cases:
         with pytest.raises(InvalidArgument, match=problem) as caught:
             json_tensors.json_to_raw("T", datatype, [4], data)

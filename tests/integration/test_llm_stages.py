@@ -253,6 +253,10 @@ BAD_REQUESTS = [
     ("bad-temperature", {"temperature": -0.5}, "temperature"),
     ("bad-json", b'{"max_tokens": 8', "SAMPLING"),
     ("bad-field", {"max_token": 8}, "max_token"),
+    # JSON that Python's parser takes but no protobuf string holds, or that it
+    # would fail with RecursionError: refused as JSON, naming the tensor.
+    ("bad-surrogate", b'{"stop": ["\\udcff"]}', "SAMPLING"),
+    ("bad-deep-json", b"[" * 3000 + b"]" * 3000, "SAMPLING"),
 ]
 
 

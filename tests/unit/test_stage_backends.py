@@ -25,7 +25,7 @@ from services.postprocess.classify import ClassifyBackend, softmax_top_k, top_k_
 from services.postprocess.pool import EmbeddingPoolBackend
 from services.preprocess.backend import ImagePreprocessBackend
 from services.preprocess.transform import TransformConfig, preprocess
-from services.tokenizer.backend import TokenizerBackend
+from services.tokenizer.backend import TokenizerBackend, parse_messages
 from shared.backend import InstanceSpec, ModelSpec, config_parameters
 from shared.errors import ConfigError, InvalidArgument
 from shared.model import ThreadedInstance
@@ -265,6 +265,29 @@ def test_tokenizer_bad_utf8_fails_only_its_request_in_a_batch(tmp_path: Path) ->
     empty = ok(results[2])
     assert empty["input_ids"].shape == (1, 16)
     assert empty["attention_mask"][0].tolist() == [1, 1] + [0] * 14  # [CLS] [SEP]
+
+
+@pytest.mark.parametrize(
+    ("chat", "problem"),
+    [
+        (b'[{"role": "user", "content": "\\udcff"}]', "surrogate"),
+        (b"[" * 3000 + b"]" * 3000, "recursion limit"),
+        (b'[{"role": "user", "content": "hi"}', "EOF"),
+        (b"[]", "non-empty"),
+        (b'[{"role": "user"}]', "message 0"),
+    ],
+)
+def test_chat_messages_that_are_not_a_chat_are_invalid_naming_the_tensor(
+    chat: bytes, problem: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=problem) as caught:
+        parse_messages(chat, "MESSAGES[0]")
+    assert "MESSAGES[0]" in str(caught.value)
+
+
+def test_chat_messages_take_an_escaped_surrogate_pair_as_one_character() -> None:
+    pair = parse_messages(b'[{"role": "user", "content": "\\ud83d\\ude00"}]', "MESSAGES[0]")
+    assert pair == [{"role": "user", "content": "\U0001f600"}]
 
 
 def test_tokenizer_answers_only_the_requested_outputs(tmp_path: Path) -> None:

@@ -1,0 +1,26 @@
+"""JSON text from clients, read strictly enough that its values fit a protobuf.
+
+Python's ``json.loads`` takes two things that only fail later, as internal
+errors: an escaped lone surrogate (``"\\udcff"``), a str that no UTF-8 protobuf
+string, tokenizer or encoder can hold; and nesting deep enough to raise
+RecursionError. ``parse`` (pydantic-core's parser, with Python's values: big
+integers exact, NaN and Infinity taken) refuses both with a ValueError that
+gives the line and column, as it does any other malformed text and invalid
+UTF-8, so the caller answers INVALID_ARGUMENT / 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic_core import from_json
+
+MAX_DEPTH = 200
+"""Nesting the parser takes (pydantic-core's fixed limit): far beyond any request's."""
+
+
+def parse(text: bytes | str) -> Any:
+    """JSON text as Python values; ValueError (line and column) when it is not
+    well-formed Unicode JSON or nests deeper than ``MAX_DEPTH``, TypeError when
+    ``text`` is neither bytes nor str."""
+    return from_json(text)
