@@ -17,7 +17,13 @@ import grpc
 
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
-from shared.errors import GENERIC_INTERNAL_MESSAGE, InvalidArgument, MeshError, Unimplemented
+from shared.errors import (
+    GENERIC_INTERNAL_MESSAGE,
+    InvalidArgument,
+    MeshError,
+    Unimplemented,
+    error_for_status,
+)
 from shared.manager import ModelManager
 from shared.request import InferRequest, InferResponse
 from shared.statistics import Duration, ModelStats
@@ -95,6 +101,23 @@ def stream_error(request: pb.ModelInferRequest, error: MeshError) -> pb.ModelStr
     answer.parameters[FINAL_RESPONSE].bool_param = True
     answer.parameters[STATUS_CODE].int64_param = error.code.value[0]
     return pb.ModelStreamInferResponse(error_message=error.message, infer_response=answer)
+
+
+def is_final(response: pb.ModelInferResponse) -> bool:
+    """True on the last response of a decoupled request (``triton_final_response``)."""
+    param = response.parameters.get(FINAL_RESPONSE)
+    return param is not None and param.bool_param
+
+
+def stream_failure(message: pb.ModelStreamInferResponse) -> MeshError:
+    """The error a stream's ``error_message`` carries, under the status code that
+    ``stream_error`` put beside it (INVALID_ARGUMENT from a server that sent none)."""
+    code_param = message.infer_response.parameters.get(STATUS_CODE)
+    if code_param is not None:
+        for code in grpc.StatusCode:
+            if code.value[0] == code_param.int64_param:
+                return error_for_status(code, message.error_message)
+    return InvalidArgument(message.error_message)
 
 
 def _duration(target: pb.StatisticDuration, source: Duration) -> None:

@@ -29,6 +29,9 @@ from shared.statistics import Metrics, StatsRecorder
 
 log = logging.getLogger(__name__)
 
+ENSEMBLE_VERSION = "1"
+"""The one version an ensemble is served as (its folder holds a config, not weights)."""
+
 FetchConfig = Callable[[str], Awaitable[mc.ModelConfig]]
 
 
@@ -100,7 +103,7 @@ class EnsembleRegistry:
             raise
         self.plans[name] = plan
         self.failed.pop(name, None)
-        self.stats.setdefault(name, StatsRecorder(name, "1", self._metrics))
+        self.stats.setdefault(name, StatsRecorder(name, ENSEMBLE_VERSION, self._metrics))
         log.info("ensemble '%s' ready (%d steps)", name, len(plan.steps))
         return plan
 

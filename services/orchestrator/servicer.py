@@ -24,10 +24,9 @@ from services.orchestrator.ensemble import (
     WireTensor,
     is_finished,
 )
-from services.orchestrator.ensembles import EnsembleRegistry, is_ensemble
+from services.orchestrator.ensembles import ENSEMBLE_VERSION, EnsembleRegistry, is_ensemble
 from services.orchestrator.router import StageRouter
 from services.orchestrator.streaming import (
-    FINAL_PARAMETER,
     StepStreams,
     relay,
     step_request,
@@ -35,7 +34,12 @@ from services.orchestrator.streaming import (
 )
 from shared.errors import InvalidArgument, MeshError, NotFound, error_for_status
 from shared.repository import hosting_service
-from shared.servicer import EMPTY_FINAL_RESPONSE, BaseServicer, stats_to_proto
+from shared.servicer import (
+    EMPTY_FINAL_RESPONSE,
+    FINAL_RESPONSE,
+    BaseServicer,
+    stats_to_proto,
+)
 from shared.tensors import decode_inputs, encode_raw
 
 
@@ -78,6 +82,16 @@ class OrchestratorServicer(BaseServicer):
         self.tracer = tracer
         self._decoupled: dict[str, bool] = {}
 
+    def _plan(self, name: str, version: str) -> EnsemblePlan | None:
+        """The ensemble ``name`` (None: a stage's model); a version it does not
+        have is NotFound, as a stage answers for its models."""
+        plan = self.ensembles.get(name)
+        if plan is not None and version not in ("", ENSEMBLE_VERSION):
+            raise NotFound(
+                f"ensemble '{name}' has no version '{version}' (served: [{ENSEMBLE_VERSION}])"
+            )
+        return plan
+
     async def _forward(self, model: str, method: str, request: Any, context: Any) -> Any:
         try:
             return await self.router.call(
@@ -94,17 +108,19 @@ class OrchestratorServicer(BaseServicer):
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> Any:
         try:
-            if self.ensembles.get(request.name) is not None:
+            if self._plan(request.name, request.version) is not None:
                 return pb.ModelReadyResponse(ready=True)
             return await self._forward(request.name, "ModelReady", request, context)
         except MeshError:
             return pb.ModelReadyResponse(ready=False)
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> Any:
-        plan = self.ensembles.get(request.name)
+        plan = self._plan(request.name, request.version)
         if plan is None:
             return await self._forward(request.name, "ModelMetadata", request, context)
-        response = pb.ModelMetadataResponse(name=plan.name, versions=["1"], platform="ensemble")
+        response = pb.ModelMetadataResponse(
+            name=plan.name, versions=[ENSEMBLE_VERSION], platform="ensemble"
+        )
         for target, specs in (
             (response.inputs, plan.io.inputs),
             (response.outputs, plan.io.outputs),
@@ -114,13 +130,13 @@ class OrchestratorServicer(BaseServicer):
         return response
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> Any:
-        plan = self.ensembles.get(request.name)
+        plan = self._plan(request.name, request.version)
         if plan is None:
             return await self._forward(request.name, "ModelConfig", request, context)
         return pb.ModelConfigResponse(config=plan.config)
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> Any:
-        plan = self.ensembles.get(request.model_name)
+        plan = self._plan(request.model_name, request.model_version)
         if plan is None:
             return await self._forward(request.model_name, "ModelInfer", request, context)
         outputs = await self.ensembles.run(
@@ -138,7 +154,9 @@ class OrchestratorServicer(BaseServicer):
             raise InvalidArgument(
                 f"ensemble '{plan.name}': unknown output {unknown}; expected {sorted(outputs)}"
             )
-        response = pb.ModelInferResponse(model_name=plan.name, model_version="1", id=request.id)
+        response = pb.ModelInferResponse(
+            model_name=plan.name, model_version=ENSEMBLE_VERSION, id=request.id
+        )
         for name in wanted:
             tensor = outputs[name]
             response.outputs.add(name=name, datatype=tensor.datatype, shape=list(tensor.shape))
@@ -193,7 +211,7 @@ class OrchestratorServicer(BaseServicer):
         self, request: pb.ModelInferRequest, context: Any
     ) -> AsyncIterator[pb.ModelInferResponse]:
         """Every response to one request of a ModelStreamInfer stream."""
-        plan = self.ensembles.get(request.model_name)
+        plan = self._plan(request.model_name, request.model_version)
         if plan is not None and plan.streaming is not None:
             streams = StepStreams(self.router)
             # Nested ensembles run here (ModelInfer); the other later steps stream.
@@ -213,7 +231,7 @@ class OrchestratorServicer(BaseServicer):
                 async for outputs in outputs_stream:
                     response = self._ensemble_response(plan, request, outputs)
                     last = is_finished(outputs.get(FINISH_TENSOR))
-                    response.parameters[FINAL_PARAMETER].bool_param = last
+                    response.parameters[FINAL_RESPONSE].bool_param = last
                     yield response
             finally:
                 streams.close()
@@ -222,9 +240,9 @@ class OrchestratorServicer(BaseServicer):
                 # Ended without a finish reason: as Triton, a flags-only final
                 # response, only for a caller that asked for one.
                 final = pb.ModelInferResponse(
-                    model_name=plan.name, model_version="1", id=request.id
+                    model_name=plan.name, model_version=ENSEMBLE_VERSION, id=request.id
                 )
-                final.parameters[FINAL_PARAMETER].bool_param = True
+                final.parameters[FINAL_RESPONSE].bool_param = True
                 yield final
             return
         if plan is None and await self._is_decoupled(request.model_name):
@@ -232,7 +250,7 @@ class OrchestratorServicer(BaseServicer):
                 yield response
             return
         response = await self.ModelInfer(request, context)
-        response.parameters[FINAL_PARAMETER].bool_param = True
+        response.parameters[FINAL_RESPONSE].bool_param = True
         yield response
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> Any:
@@ -268,11 +286,11 @@ class OrchestratorServicer(BaseServicer):
                     response.models.append(model)
         for name in self.ensembles.names():
             if name in self.ensembles.plans:
-                response.models.add(name=name, version="1", state="READY")
+                response.models.add(name=name, version=ENSEMBLE_VERSION, state="READY")
             elif not request.ready:
                 response.models.add(
                     name=name,
-                    version="1",
+                    version=ENSEMBLE_VERSION,
                     state="UNAVAILABLE",
                     reason=self.ensembles.failed.get(name, "not loaded"),
                 )

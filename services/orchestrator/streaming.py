@@ -17,26 +17,8 @@ from inference import grpc_service_pb2 as pb
 from services.orchestrator.ensemble import Step, WireTensor
 from services.orchestrator.router import StageRouter
 from services.orchestrator.stage_stream import StageStream
-from shared.errors import InvalidArgument, MeshError, Unavailable, error_for_status
-
-FINAL_PARAMETER = "triton_final_response"
-STATUS_PARAMETER = "meshserve_status_code"
-
-
-def is_final(response: pb.ModelInferResponse) -> bool:
-    """True on the last response of a decoupled request."""
-    param = response.parameters.get(FINAL_PARAMETER)
-    return param is not None and param.bool_param
-
-
-def stream_error(message: pb.ModelStreamInferResponse) -> MeshError:
-    """A stage's in-stream error, with its status code when the stage sent one."""
-    code_param = message.infer_response.parameters.get(STATUS_PARAMETER)
-    if code_param is not None:
-        for code in grpc.StatusCode:
-            if code.value[0] == code_param.int64_param:
-                return error_for_status(code, message.error_message)
-    return InvalidArgument(message.error_message)
+from shared.errors import MeshError, Unavailable, error_for_status
+from shared.servicer import is_final, stream_failure
 
 
 async def relay(
@@ -54,7 +36,7 @@ async def relay(
         # that response final only where the model or the caller asked for one.
         while message is not None:
             if message.error_message:
-                raise stream_error(message)
+                raise stream_failure(message)
             yield message.infer_response
             if is_final(message.infer_response):
                 return
@@ -155,7 +137,7 @@ class StepStreams:
                 _raise_unless_retried(exc, attempt)
                 continue
             if message.error_message:
-                raise stream_error(message)
+                raise stream_failure(message)
             response: pb.ModelInferResponse = message.infer_response
             return response
         raise AssertionError("unreachable")

@@ -175,6 +175,30 @@ def test_bad_ensemble_input_names_the_tensor(stub: pb_grpc.GRPCInferenceServiceS
     assert "input 'B' has datatype INT32, expected FP32" in caught.value.details()
 
 
+def test_an_ensemble_version_it_lacks_is_not_found(
+    stub: pb_grpc.GRPCInferenceServiceStub,
+) -> None:
+    a = np.ones((1, 4), dtype=np.float32)
+    request = diamond_request(a, a)
+    request.model_version = "1"
+    answer = stub.ModelInfer(request, timeout=30)
+    assert (answer.model_name, answer.model_version) == ("diamond", "1")
+    request.model_version = "7"
+    calls = [
+        lambda: stub.ModelInfer(request, timeout=30),
+        lambda: stub.ModelMetadata(pb.ModelMetadataRequest(name="diamond", version="7")),
+        lambda: stub.ModelConfig(pb.ModelConfigRequest(name="diamond", version="7")),
+    ]
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as caught:
+            call()
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "ensemble 'diamond' has no version '7'" in caught.value.details()
+    ready = stub.ModelReady(pb.ModelReadyRequest(name="diamond", version="7"))
+    assert ready.ready is False
+    assert stub.ModelReady(pb.ModelReadyRequest(name="diamond", version="1")).ready is True
+
+
 def test_caller_deadline_bounds_the_ensemble(stub: pb_grpc.GRPCInferenceServiceStub) -> None:
     a = np.ones((1, 4), dtype=np.float32)
     started = time.monotonic()
