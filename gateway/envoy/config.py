@@ -4,7 +4,7 @@ One listener carries everything:
 
     content-type application/grpc*  -> orchestrator (native gRPC and grpc-web)
     /api/v1/...                     -> orchestrator, meshserve.v1 transcoded to JSON
-    /v2/...                         -> HTTP adapter (KServe v2 REST)
+    /v2/...                         -> HTTP adapter (KServe v2 REST, Triton's generate)
     /v1/...                         -> HTTP adapter (OpenAI-compatible)
     anything else                   -> 404 {"error": ...}
 
@@ -101,6 +101,10 @@ def _cluster(name: str, target: str, http2: bool, health: dict[str, Any] | None)
     return cluster
 
 
+# Triton's generate extension (the HTTP adapter's generate.py).
+_GENERATE_PATHS = "/v2/models/[^/]+(/versions/[^/]+)?/generate(_stream)?"
+
+
 def _routes(settings: EdgeSettings) -> list[dict[str, Any]]:
     no_buffer = {
         "envoy.filters.http.buffer": {
@@ -138,6 +142,12 @@ def _routes(settings: EdgeSettings) -> list[dict[str, Any]]:
             "route": {"cluster": "orchestrator", "timeout": "0s"},
         },
         {"match": {"prefix": "/api/v1/"}, "route": {"cluster": "orchestrator", "timeout": timeout}},
+        # Triton's generate extension streams tokens too: no overall timeout.
+        {
+            "match": {"safe_regex": {"regex": _GENERATE_PATHS}},
+            "route": {"cluster": "http_adapter", "timeout": "0s"},
+            "typed_per_filter_config": no_transcoder,
+        },
         {
             "match": {"prefix": "/v2"},
             "route": {"cluster": "http_adapter", "timeout": timeout},

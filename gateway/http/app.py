@@ -25,7 +25,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from gateway.http import documents, openai, rest
+from gateway.http import documents, generate, openai, rest
 from gateway.http.upstream import Upstream
 from inference import grpc_service_pb2 as pb
 from shared.errors import GENERIC_INTERNAL_MESSAGE, MeshError, Unavailable
@@ -255,7 +255,8 @@ async def infer(request: web.Request) -> web.Response:
 
 
 def build_app(state: AdapterState) -> web.Application:
-    """The routes of the KServe v2 REST API (with Triton's extensions) and the OpenAI API."""
+    """The routes of the KServe v2 REST API (with Triton's extensions, generate among
+    them) and the OpenAI API."""
     app = web.Application(middlewares=[front], client_max_size=state.max_body_bytes)
     app[STATE] = state
     model = "/v2/models/{name}"
@@ -274,5 +275,6 @@ def build_app(state: AdapterState) -> web.Application:
     app.router.add_post("/v2/repository/index", repository_index)
     app.router.add_post("/v2/repository/models/{name}/load", model_load)
     app.router.add_post("/v2/repository/models/{name}/unload", model_unload)
+    generate.GenerateApi(state.upstream, _read_body).add_routes(app.router)
     openai.OpenAIApi(openai.MeshClient(state.upstream), _read_body).add_routes(app.router)
     return app

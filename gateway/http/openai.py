@@ -45,7 +45,7 @@ from gateway.http.upstream import Upstream
 from meshserve.v1 import meshserve_pb2 as api
 from meshserve.v1 import meshserve_pb2_grpc as api_grpc
 from shared import jsontext
-from shared.errors import InvalidArgument, MeshError, NotFound, error_for_status
+from shared.errors import InvalidArgument, MeshError, NotFound
 
 PREFIX = "/v1/"
 """Paths under this prefix answer errors in OpenAI's shape."""
@@ -65,20 +65,13 @@ class MeshClient:
         stubs = [api_grpc.MeshServiceStub(c) for c in upstream.channels]  # type: ignore[no-untyped-call]
         self._next = itertools.cycle(stubs)
 
-    def _failure(self, exc: grpc.aio.AioRpcError) -> MeshError:
-        code = exc.code()
-        details = exc.details() or code.name.lower()
-        if code == grpc.StatusCode.UNAVAILABLE:
-            details = f"orchestrator {self._upstream.target}: {details}"
-        return error_for_status(code, details)
-
     async def call(self, method: str, request: Any) -> Any:
         """A unary ``MeshService/<method>``; a failure raises its MeshError."""
         stub = next(self._next)
         try:
             return await getattr(stub, method)(request, timeout=self._upstream.timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise self._failure(exc) from exc
+            raise self._upstream.failure(exc) from exc
 
     async def deltas(self, method: str, request: Any) -> AsyncGenerator[api.TextDelta, None]:
         """The TextDeltas of a streaming ``Chat`` or ``Generate``."""
@@ -87,7 +80,7 @@ class MeshClient:
             async for response in call:
                 yield response.delta
         except grpc.aio.AioRpcError as exc:
-            raise self._failure(exc) from exc
+            raise self._upstream.failure(exc) from exc
         finally:
             # A no-op after the last delta; otherwise the client went away (or we
             # failed), and cancelling the RPC makes the engine abort the generation.

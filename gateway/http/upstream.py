@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import grpc
 from google.protobuf.message import Message
 from opentelemetry import trace
 
+from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.channels import open_channels
-from shared.errors import error_for_status
+from shared.errors import MeshError, error_for_status
+from shared.servicer import is_final, stream_failure
 
 
 class Upstream:
@@ -47,11 +50,35 @@ class Upstream:
         try:
             return await getattr(stub, method)(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            details = exc.details() or code.name.lower()
-            if code == grpc.StatusCode.UNAVAILABLE:
-                details = f"orchestrator {self.target}: {details}"
-            raise error_for_status(code, details) from exc
+            raise self.failure(exc) from exc
+
+    async def stream_infer(
+        self, request: pb.ModelInferRequest
+    ) -> AsyncGenerator[pb.ModelInferResponse, None]:
+        """One request's responses over ``ModelStreamInfer`` (a decoupled model), up to
+        its final one. An in-stream error or a failed call raises its MeshError;
+        closing the generator early cancels the call, and with it the generation."""
+        stub = self._stubs[next(self._next)]
+        call = stub.ModelStreamInfer(iter([request]), timeout=self.timeout_s)
+        try:
+            async for message in call:
+                if message.error_message:
+                    raise stream_failure(message)
+                yield message.infer_response
+                if is_final(message.infer_response):
+                    return
+        except grpc.aio.AioRpcError as exc:
+            raise self.failure(exc) from exc
+        finally:
+            call.cancel()  # a no-op once the call has ended
+
+    def failure(self, exc: grpc.aio.AioRpcError) -> MeshError:
+        """A failed call to the orchestrator as the MeshError of its status."""
+        code = exc.code()
+        details = exc.details() or code.name.lower()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            details = f"orchestrator {self.target}: {details}"
+        return error_for_status(code, details)
 
     @property
     def channels(self) -> list[grpc.aio.Channel]:

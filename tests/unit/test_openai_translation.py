@@ -1,13 +1,16 @@
-"""OpenAI request JSON -> meshserve.v1 messages, and TextDeltas -> OpenAI documents."""
+"""OpenAI request JSON -> meshserve.v1 messages, and TextDeltas -> OpenAI documents;
+Triton generate request JSON -> the LLM pipeline's request."""
 
 from __future__ import annotations
 
 import base64
+import json
 from typing import Any
 
 import numpy as np
 import pytest
 
+from gateway.http.generate import DEFAULT_MAX_TOKENS, GenerateCall, generate_request
 from gateway.http.openai_documents import (
     Generation,
     InvalidParam,
@@ -19,7 +22,8 @@ from gateway.http.openai_documents import (
     models_document,
 )
 from meshserve.v1 import meshserve_pb2 as api
-from shared.errors import Unavailable
+from shared.errors import InvalidArgument, Unavailable
+from shared.tensors import decode_inputs
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -258,3 +262,58 @@ def test_embeddings_document_float_and_base64() -> None:
     np.testing.assert_array_equal(decoded, [0.5, -0.25, 1.0])
     with pytest.raises(InvalidParam, match="dimensions"):
         embeddings_document(response, "float", 2)
+
+
+# --- Triton's generate extension (gateway/http/generate.py) ----------------------------
+
+
+def generate_sampling(call: GenerateCall) -> dict[str, Any]:
+    inputs = decode_inputs(call.request)
+    assert inputs["PROMPT"].tolist() == [call.prompt.encode()]
+    sampling: dict[str, Any] = json.loads(inputs["SAMPLING"][0])
+    return sampling
+
+
+def test_generate_request_merges_the_vllm_backend_forms_of_sampling() -> None:
+    body = {
+        "text_input": "Hello",
+        "sampling_parameters": json.dumps({"temperature": 0.5, "top_k": 4, "max_tokens": 9}),
+        "parameters": {"temperature": 0, "stop": ["\n"], "exclude_input_in_output": True},
+        "stream": False,
+    }
+    call = generate_request("llm", "1", body)
+    assert (call.request.model_name, call.request.model_version) == ("llm", "1")
+    # parameters win over sampling_parameters; the switches are not sampling settings.
+    assert generate_sampling(call) == {
+        "temperature": 0,
+        "top_k": 4,
+        "max_tokens": 9,
+        "stop": ["\n"],
+    }
+    assert (call.stream, call.echo) == (False, False)
+
+
+def test_generate_request_defaults_stream_echo_and_sixteen_tokens() -> None:
+    call = generate_request("llm", "", {"text_input": "Hello"})
+    assert generate_sampling(call) == {"max_tokens": DEFAULT_MAX_TOKENS} == {"max_tokens": 16}
+    assert (call.stream, call.echo) == (True, True)
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        ({}, "text_input: expected a non-empty string, got null"),
+        ({"text_input": 5}, "text_input: expected a non-empty string, got number"),
+        ({"text_input": "x", "n": 2}, "unexpected field 'n'"),
+        ({"text_input": "x", "parameters": []}, "parameters: expected an object, got array"),
+        ({"text_input": "x", "parameters": {"best_of": 2}}, "parameters.best_of: not a setting"),
+        ({"text_input": "x", "parameters": {"top_p": 0}}, "parameters.top_p: must be greater"),
+        ({"text_input": "x", "sampling_parameters": "{"}, "sampling_parameters: not valid JSON"),
+        ({"text_input": "x", "sampling_parameters": "[1]"}, "sampling_parameters: expected"),
+        ({"text_input": "x", "parameters": {"stream": 1}}, "stream: expected a boolean"),
+    ],
+)
+def test_generate_request_refuses_naming_the_field(body: dict[str, Any], problem: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        generate_request("llm", "", body)
+    assert problem in str(caught.value)

@@ -1,0 +1,275 @@
+"""Triton's generate extension: text in, text out, for an LLM pipeline.
+
+::
+
+    POST /v2/models/{name}[/versions/{version}]/generate          one JSON answer
+    POST /v2/models/{name}[/versions/{version}]/generate_stream   SSE, an event per text delta
+
+A request is ``{"text_input": ..., "parameters": {...}}``, as Triton takes it,
+and also reads the other inputs of Triton's vLLM backend, so its clients work
+unchanged: sampling settings in ``parameters`` (temperature, top_p, top_k,
+max_tokens, stop, stop_token_ids, seed, repetition_penalty) or in the JSON
+string ``sampling_parameters`` (``parameters`` wins; max_tokens is 16 unless
+set, as there), and ``stream`` and
+``exclude_input_in_output``, top-level or in ``parameters``. Other fields are
+refused, naming them: a setting this server would drop silently is a bug
+report waiting to happen.
+
+As in the vLLM backend, a whole answer (``/generate``, or ``generate_stream``
+with ``stream: false``) is the prompt followed by the generated text, unless
+``exclude_input_in_output`` is true; streamed events carry only new text.
+Every answer names the model and the version that ran (``text_output``,
+``finish_reason`` and the token counts beside them).
+
+The call is the pipeline's ``ModelStreamInfer`` on the orchestrator (inputs
+``PROMPT`` and ``SAMPLING``; outputs ``TEXT_DELTA``, ``FINISH_REASON`` and the
+token counts), so a version in the path is honoured. The first response is
+awaited before the answer starts, so errors found up front (unknown model,
+prompt too long, a bad setting) keep their HTTP status and ``{"error": ...}``
+body; a later one arrives as a ``data: {"error": ...}`` event, as Triton
+sends it. A client that goes away cancels the call, and with it the
+generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from gateway.http.openai_documents import InvalidParam, kind, sampling_params
+from gateway.http.upstream import Upstream
+from inference import grpc_service_pb2 as pb
+from shared import jsontext
+from shared.errors import InvalidArgument, MeshError
+from shared.tensors import decode_outputs, encode_inputs
+
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "stop",
+    "stop_token_ids",
+    "seed",
+    "repetition_penalty",
+)
+DEFAULT_MAX_TOKENS = 16
+"""Tokens generated when the request names no max_tokens (vLLM's SamplingParams
+default, so the vLLM backend's, where the pipeline itself would run to
+max_model_len)."""
+_SWITCHES = ("stream", "exclude_input_in_output")
+_FIELDS = ("text_input", "parameters", "sampling_parameters", *_SWITCHES)
+
+BodyReader = Callable[[web.Request], Awaitable[bytes]]
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """One generate request: the pipeline's request and how to answer it."""
+
+    request: pb.ModelInferRequest
+    prompt: str
+    stream: bool
+    """False: generate_stream answers in one event."""
+    echo: bool
+    """A whole answer starts with the prompt."""
+
+
+def _switch(body: Mapping[str, Any], parameters: Mapping[str, Any], name: str) -> bool | None:
+    value = parameters.get(name, body.get(name))
+    if value is not None and not isinstance(value, bool):
+        raise InvalidArgument(f"{name}: expected a boolean, got {kind(value)}")
+    return value
+
+
+def _sampling_parameters(value: Any) -> dict[str, Any]:
+    """The vLLM backend's ``sampling_parameters``: a JSON object, or that object as a string."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = jsontext.parse(value)
+        except ValueError as exc:
+            raise InvalidArgument(f"sampling_parameters: not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"sampling_parameters: expected a JSON object, got {kind(value)}")
+    return value
+
+
+def generate_request(name: str, version: str, body: Mapping[str, Any]) -> GenerateCall:
+    """A generate request body as the pipeline's ModelInferRequest (checked here, so
+    a mistake is a 400 that names the field)."""
+    unknown = sorted(set(body) - set(_FIELDS))
+    if unknown:
+        raise InvalidArgument(f"unexpected field '{unknown[0]}' (accepted: {', '.join(_FIELDS)})")
+    prompt = body.get("text_input")
+    if not isinstance(prompt, str):
+        raise InvalidArgument(f"text_input: expected a non-empty string, got {kind(prompt)}")
+    if not prompt:
+        raise InvalidArgument("text_input: expected a non-empty string, got an empty one")
+    parameters = body.get("parameters")
+    parameters = {} if parameters is None else parameters
+    if not isinstance(parameters, dict):
+        raise InvalidArgument(f"parameters: expected an object, got {kind(parameters)}")
+    settings = _sampling_parameters(body.get("sampling_parameters"))
+    settings.update((k, v) for k, v in parameters.items() if k not in _SWITCHES)
+    unknown = sorted(set(settings) - set(SAMPLING_KEYS))
+    if unknown:
+        raise InvalidArgument(
+            f"parameters.{unknown[0]}: not a setting this server takes "
+            f"(accepted: {', '.join(SAMPLING_KEYS + _SWITCHES)})"
+        )
+    settings.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+    try:
+        sampling_params(settings)  # the same checks and bounds as the OpenAI API's
+    except InvalidParam as exc:
+        raise InvalidArgument(f"parameters.{exc.message}") from exc
+    request = pb.ModelInferRequest(model_name=name, model_version=version)
+    encode_inputs(
+        request,
+        {
+            "PROMPT": np.array([prompt.encode()], dtype=object),
+            "SAMPLING": np.array([json.dumps(settings).encode()], dtype=object),
+        },
+    )
+    return GenerateCall(
+        request,
+        prompt,
+        stream=_switch(body, parameters, "stream") is not False,
+        echo=not _switch(body, parameters, "exclude_input_in_output"),
+    )
+
+
+def _first(outputs: dict[str, np.ndarray], name: str) -> Any:
+    array = outputs.get(name)
+    return None if array is None or array.size == 0 else array.reshape(-1)[0]
+
+
+@dataclass
+class Answer:
+    """What the responses of one generation add up to."""
+
+    model_name: str = ""
+    model_version: str = ""
+    text: str = ""
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def absorb(self, response: pb.ModelInferResponse) -> str:
+        """Take in one response; returns its new text."""
+        outputs = decode_outputs(response)
+        self.model_name, self.model_version = response.model_name, response.model_version
+        delta = _first(outputs, "TEXT_DELTA")
+        text = b"" if delta is None else bytes(delta)
+        self.text += text.decode(errors="replace")
+        self.finish_reason = str(_decoded(_first(outputs, "FINISH_REASON")) or self.finish_reason)
+        for field in ("prompt_tokens", "completion_tokens"):
+            count = _first(outputs, field.upper())
+            if count is not None:
+                setattr(self, field, int(count))
+        return text.decode(errors="replace")
+
+    def document(self, text: str, last: bool) -> dict[str, Any]:
+        """A response object: ``text`` as ``text_output``; the last one adds how it ended."""
+        document: dict[str, Any] = {
+            "model_name": self.model_name,
+            "model_version": self.model_version,
+            "text_output": text,
+        }
+        if last:
+            document["finish_reason"] = self.finish_reason or "stop"
+            document["prompt_tokens"] = self.prompt_tokens
+            document["completion_tokens"] = self.completion_tokens
+        return document
+
+
+def _decoded(value: Any) -> str:
+    return "" if value is None else bytes(value).decode(errors="replace")
+
+
+def _event(document: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(document).encode() + b"\n\n"
+
+
+class GenerateApi:
+    """The generate routes: JSON body -> the pipeline's ModelStreamInfer -> Triton's documents."""
+
+    def __init__(self, upstream: Upstream, read_body: BodyReader) -> None:
+        self.upstream = upstream
+        self._read_body = read_body
+
+    async def _call(self, request: web.Request) -> GenerateCall:
+        try:
+            body = jsontext.parse(await self._read_body(request))
+        except ValueError as exc:
+            raise InvalidArgument(f"malformed JSON in the request body: {exc}") from exc
+        if not isinstance(body, dict):
+            raise InvalidArgument(f"the request body must be a JSON object, got {kind(body)}")
+        info = request.match_info
+        return generate_request(info["name"], info.get("version", ""), body)
+
+    async def generate(self, request: web.Request) -> web.Response:
+        """POST .../generate: the whole answer."""
+        call = await self._call(request)
+        answer = Answer()
+        async with contextlib.aclosing(self.upstream.stream_infer(call.request)) as responses:
+            async for response in responses:
+                answer.absorb(response)
+        text = call.prompt + answer.text if call.echo else answer.text
+        return web.json_response(answer.document(text, last=True))
+
+    async def generate_stream(self, request: web.Request) -> web.StreamResponse:
+        """POST .../generate_stream: an SSE event per response (one, if not streaming)."""
+        call = await self._call(request)
+        answer = Answer()
+        async with contextlib.aclosing(self.upstream.stream_infer(call.request)) as responses:
+            # Errors raised before the first response still get their own HTTP status.
+            first = await anext(responses, None)
+            response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream; charset=utf-8"}
+            )
+            await response.prepare(request)
+            # A write fails once the client has gone; leaving the block then
+            # closes ``responses``, which cancels the generation.
+            with contextlib.suppress(ConnectionResetError):
+                await self._pump(response, call, answer, first, responses)
+            return response
+
+    async def _pump(
+        self,
+        response: web.StreamResponse,
+        call: GenerateCall,
+        answer: Answer,
+        first: pb.ModelInferResponse | None,
+        rest: AsyncIterator[pb.ModelInferResponse],
+    ) -> None:
+        try:
+            pending, ended = first, False
+            while pending is not None:
+                text = answer.absorb(pending)
+                # Each text as it comes; the event that brings the finish reason
+                # is the last (a response after it with no text adds nothing).
+                if call.stream and (text or (answer.finish_reason and not ended)):
+                    ended = bool(answer.finish_reason)
+                    await response.write(_event(answer.document(text, last=ended)))
+                pending = await anext(rest, None)
+            if not call.stream:
+                whole = call.prompt + answer.text if call.echo else answer.text
+                await response.write(_event(answer.document(whole, last=True)))
+        except MeshError as exc:
+            # The status line has gone out already: the error travels as an event.
+            await response.write(_event({"error": exc.message}))
+        await response.write_eof()
+
+    def add_routes(self, router: web.UrlDispatcher) -> None:
+        """Mount the routes beside the KServe v2 ones."""
+        for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+            router.add_post(prefix + "/generate", self.generate)
+            router.add_post(prefix + "/generate_stream", self.generate_stream)
