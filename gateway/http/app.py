@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from gateway.http import documents, generate, openai, rest
 from gateway.http.upstream import Upstream
 from inference import grpc_service_pb2 as pb
-from shared.errors import GENERIC_INTERNAL_MESSAGE, MeshError, Unavailable
+from shared.errors import GENERIC_INTERNAL_MESSAGE, MeshError, Unavailable, Unimplemented
 from shared.tracing import extract_context
 
 log = logging.getLogger(__name__)
@@ -235,6 +235,29 @@ async def model_unload(request: web.Request) -> web.Response:
     return _json({})
 
 
+async def log_settings(request: web.Request) -> web.Response:
+    """GET (read) or POST (change) /v2/logging: the orchestrator's log settings."""
+    body = await _read_body(request) if request.method == "POST" else b""
+    answer = await _call(request, "LogSettings", documents.log_settings_request(body))
+    return _json(documents.log_settings(answer))
+
+
+async def trace_settings(request: web.Request) -> web.Response:
+    """GET (read) or POST (change) /v2[/models/{name}]/trace/setting."""
+    body = await _read_body(request) if request.method == "POST" else b""
+    message = documents.trace_settings_request(request.match_info.get("name", ""), body)
+    answer = await _call(request, "TraceSetting", message)
+    return _json(documents.trace_settings(answer))
+
+
+async def shared_memory(request: web.Request) -> web.Response:
+    """/v2/{system,cuda}sharedmemory/...: status, register, unregister."""
+    raise Unimplemented(
+        "shared-memory tensors are not supported by meshserve; send tensors in the "
+        "request body (JSON 'data', or binary data after the JSON header)"
+    )
+
+
 async def infer(request: web.Request) -> web.Response:
     """POST /v2/models/{name}[/versions/{version}]/infer: JSON or binary tensors."""
     name, version = _model(request)
@@ -272,6 +295,17 @@ def build_app(state: AdapterState) -> web.Application:
         app.router.add_get(prefix + "/config", model_config)
         app.router.add_get(prefix + "/stats", model_statistics)
         app.router.add_post(prefix + "/infer", infer)
+    app.router.add_route("GET", "/v2/logging", log_settings)
+    app.router.add_route("POST", "/v2/logging", log_settings)
+    for path in ("/v2/trace/setting", model + "/trace/setting"):
+        app.router.add_route("GET", path, trace_settings)
+        app.router.add_route("POST", path, trace_settings)
+    for kind in ("system", "cuda"):
+        for region in ("", "/region/{region}"):
+            base = f"/v2/{kind}sharedmemory{region}"
+            app.router.add_get(base + "/status", shared_memory)
+            app.router.add_post(base + "/unregister", shared_memory)
+        app.router.add_post(f"/v2/{kind}sharedmemory/region/{{region}}/register", shared_memory)
     app.router.add_post("/v2/repository/index", repository_index)
     app.router.add_post("/v2/repository/models/{name}/load", model_load)
     app.router.add_post("/v2/repository/models/{name}/unload", model_unload)

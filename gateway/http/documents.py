@@ -139,3 +139,54 @@ def unload_request(name: str, body: bytes) -> pb.RepositoryModelUnloadRequest:
     request = pb.RepositoryModelUnloadRequest(model_name=name)
     _repository_parameters(request.parameters, body, f"unload '{name}'")
     return request
+
+
+def log_settings_request(body: bytes) -> pb.LogSettingsRequest:
+    """``{"log_verbose_level": 1, ...}`` (the settings to change; none: read them)."""
+    request = pb.LogSettingsRequest()
+    for key, value in _object(body, "logging").items():
+        setting = request.settings[key]
+        if isinstance(value, bool):
+            setting.bool_param = value
+        elif isinstance(value, int) and 0 <= value < 2**32:
+            setting.uint32_param = value
+        elif isinstance(value, str):
+            setting.string_param = value
+        else:
+            raise InvalidArgument(
+                f"logging: '{key}' must be a boolean, an unsigned 32-bit integer or a "
+                f"string, got {value!r}"
+            )
+    return request
+
+
+def log_settings(response: pb.LogSettingsResponse) -> dict[str, Any]:
+    """The log settings as Triton's ``GET /v2/logging`` shows them: name -> value."""
+    return {
+        key: getattr(value, value.WhichOneof("parameter_choice"))
+        for key, value in response.settings.items()
+        if value.WhichOneof("parameter_choice")
+    }
+
+
+def trace_settings_request(model: str, body: bytes) -> pb.TraceSettingRequest:
+    """``{"trace_level": ["TIMESTAMPS"], "trace_rate": "100", ...}``: a string or a
+    list of strings per setting; null clears it."""
+    request = pb.TraceSettingRequest(model_name=model)
+    for key, value in _object(body, "trace setting").items():
+        values = [value] if isinstance(value, str) else [] if value is None else value
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise InvalidArgument(
+                f"trace setting: '{key}' must be a string, a list of strings or null, got {value!r}"
+            )
+        request.settings[key].value.extend(values)
+    return request
+
+
+def trace_settings(response: pb.TraceSettingResponse) -> dict[str, Any]:
+    """The trace settings as Triton shows them: ``trace_level`` a list, the rest a
+    string where they hold one value."""
+    return {
+        key: values[0] if len(values) == 1 and key != "trace_level" else values
+        for key, values in ((k, list(v.value)) for k, v in response.settings.items())
+    }

@@ -334,6 +334,23 @@ def test_tritonclient_statistics_unload_and_load(adapter: ServiceProcess) -> Non
     assert result["ready_after_load"] is True
 
 
+def test_tritonclient_log_trace_and_shared_memory_settings(adapter: ServiceProcess) -> None:
+    result = run_client("http_settings.py", adapter.info["http"], "add_sub")
+    assert result["log_before"]["log_verbose_level"] == 0
+    assert result["log_before"]["log_info"] is True
+    assert result["log_changed"]["log_verbose_level"] == 1
+    assert result["log_after"] == result["log_before"]
+    assert "unknown log setting 'log_colour'" in result["log_unknown"]
+    assert "'log_verbose_level' must be" in result["log_negative"]
+    assert result["trace"]["trace_mode"] == "opentelemetry"
+    assert result["trace"]["trace_level"] == ["TIMESTAMPS"]
+    assert result["trace_model"] == result["trace"]
+    for refusal in ("shm_status", "shm_register", "cuda_status"):
+        assert "shared-memory tensors are not supported" in result[refusal], result
+    status, _, body = http("GET", url(adapter, "/v2/cudasharedmemory/region/r/status"))
+    assert status == 501 and "not supported" in json.loads(body)["error"]
+
+
 def test_metrics_count_requests_by_route(adapter: ServiceProcess) -> None:
     http("GET", url(adapter, "/v2/health/live"))
     metrics_url = f"http://127.0.0.1:{adapter.info['metrics_port']}/metrics"
