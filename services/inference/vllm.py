@@ -42,12 +42,13 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Metric
+from prometheus_client.registry import Collector
 
 from services.inference.vllm_settings import EngineSettings, Sampling
 from shared.backend import InstanceSpec, ModelSpec
@@ -65,10 +66,31 @@ SAMPLING = "SAMPLING"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
 
 
+class VllmSeries(Collector):
+    """vLLM's own ``vllm:*`` metrics, shown on the service's /metrics.
+
+    vLLM records them for every engine (its Prometheus stat logger is always
+    on once any stat logger is) in prometheus_client's global registry, under
+    the names its server exports and its users' dashboards read
+    (``vllm:num_requests_running``, ``vllm:time_to_first_token_seconds``, ...,
+    label ``model_name``). The service serves its own registry; this relays
+    those families into it. vLLM keeps one engine's series per process: where
+    a service hosts two LLMs at once, they follow the engine started last
+    (``meshserve_llm_*`` keep both).
+    """
+
+    def collect(self) -> Iterator[Metric]:
+        for family in REGISTRY.collect():
+            if family.name.startswith("vllm:"):
+                yield family
+
+
 class LlmMetrics:
-    """The ``meshserve_llm_*`` metrics of one service; labels ``model``, ``version``."""
+    """The ``meshserve_llm_*`` metrics of one service; labels ``model``, ``version``.
+    vLLM's own ``vllm:*`` series join the same registry (``VllmSeries``)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        registry.register(VllmSeries())
         labels = ["model", "version"]
 
         def histogram(name: str, help_text: str) -> Histogram:

@@ -248,6 +248,27 @@ def test_cancelling_a_stream_aborts_the_generation_in_vllm(
     assert llm_metric(samples, "generation_tokens_total") >= 3
 
 
+def test_vllm_own_metric_names_are_served_for_its_dashboards(
+    services: dict[str, ServiceProcess], chat_ids: Any
+) -> None:
+    service = services["inference"]
+    engine = frozenset({"model_name": MODEL, "engine": "0"}.items())
+
+    def vllm_metric(samples: Samples, name: str) -> float | None:
+        return samples.get((f"vllm:{name}", engine))
+
+    before = vllm_metric(service.metrics(), "generation_tokens_total") or 0.0
+    good = request(chat_ids("What is 2 + 2?"), {"temperature": 0, "max_tokens": 4}, "good")
+    messages = asyncio.run(stream_all(service.address, [good]))
+    assert is_final(messages[-1]) and not messages[-1].error_message
+    samples = service.metrics()
+    assert vllm_metric(samples, "generation_tokens_total") == before + 4
+    assert (vllm_metric(samples, "time_to_first_token_seconds_count") or 0) >= 1
+    assert (vllm_metric(samples, "e2e_request_latency_seconds_count") or 0) >= 1
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert vllm_metric(samples, gauge) is not None, gauge
+
+
 BAD_REQUESTS = [
     ("bad-max-tokens", {"max_tokens": -5}, "max_tokens"),
     ("bad-temperature", {"temperature": -0.5}, "temperature"),
