@@ -10,7 +10,7 @@ caller), and a cancelled caller cancels every step in flight.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -32,6 +32,7 @@ from services.orchestrator.streaming import (
     step_request,
     wire_outputs,
 )
+from shared.classification import classify_outputs, output_labels, requested_classes
 from shared.errors import InvalidArgument, MeshError, NotFound, error_for_status
 from shared.repository import hosting_service
 from shared.servicer import (
@@ -40,7 +41,7 @@ from shared.servicer import (
     BaseServicer,
     stats_to_proto,
 )
-from shared.tensors import decode_inputs, encode_raw
+from shared.tensors import decode_inputs, decode_raw, encode_raw
 
 
 def _deadline(context: Any) -> float | None:
@@ -139,10 +140,37 @@ class OrchestratorServicer(BaseServicer):
         plan = self._plan(request.model_name, request.model_version)
         if plan is None:
             return await self._forward(request.model_name, "ModelInfer", request, context)
+        classify = self._classifier(plan, request)
         outputs = await self.ensembles.run(
             plan, wire_inputs(request), self._step_call(plan, request, context), self.tracer
         )
-        return self._ensemble_response(plan, request, outputs)
+        return self._ensemble_response(plan, request, classify(outputs))
+
+    def _classifier(
+        self, plan: EnsemblePlan, request: pb.ModelInferRequest
+    ) -> Callable[[dict[str, WireTensor]], dict[str, WireTensor]]:
+        """What answers the ensemble outputs that ask for classification as their
+        top classes (labels from the ensemble's folder); the identity when none does."""
+        classes = requested_classes(request)
+        if not classes:
+            return lambda outputs: outputs
+        repository = self.ensembles.repository
+        folder = repository.root / plan.name if repository is not None else None
+        labels = output_labels(plan.config, folder, list(classes)) if folder else {}
+        batched = plan.config.max_batch_size > 0
+
+        def classify(outputs: dict[str, WireTensor]) -> dict[str, WireTensor]:
+            arrays = {
+                name: decode_raw(name, tensor.datatype, tensor.shape, tensor.raw)
+                for name, tensor in outputs.items()
+                if name in classes
+            }
+            answered = dict(outputs)
+            for name, array in classify_outputs(arrays, classes, batched, labels).items():
+                answered[name] = WireTensor("BYTES", array.shape, encode_raw(array))
+            return answered
+
+        return classify
 
     @staticmethod
     def _ensemble_response(
@@ -213,6 +241,7 @@ class OrchestratorServicer(BaseServicer):
         """Every response to one request of a ModelStreamInfer stream."""
         plan = self._plan(request.model_name, request.model_version)
         if plan is not None and plan.streaming is not None:
+            classify = self._classifier(plan, request)
             streams = StepStreams(self.router)
             # Nested ensembles run here (ModelInfer); the other later steps stream.
             later = [s for s in plan.downstream if self.ensembles.get(s.model) is None]
@@ -229,7 +258,7 @@ class OrchestratorServicer(BaseServicer):
             last = False
             try:
                 async for outputs in outputs_stream:
-                    response = self._ensemble_response(plan, request, outputs)
+                    response = self._ensemble_response(plan, request, classify(outputs))
                     last = is_finished(outputs.get(FINISH_TENSOR))
                     response.parameters[FINAL_RESPONSE].bool_param = last
                     yield response

@@ -334,6 +334,15 @@ def test_tritonclient_statistics_unload_and_load(adapter: ServiceProcess) -> Non
     assert result["ready_after_load"] is True
 
 
+def test_tritonclient_class_count_over_http(adapter: ServiceProcess) -> None:
+    # Triton's classification extension (see test_classification.py for labels).
+    answer = run_client(
+        "classify.py", "http", adapter.info["http"], "add_sub", "OUTPUT0", "OUTPUT1"
+    )
+    assert answer["OUTPUT0"] == [["4.000000:1", "3.000000:3"], ["5.000000:2", "5.000000:3"]]
+    assert answer["OUTPUT1"][0] == ["4.000000:1", "3.000000:3", "2.000000:2", "1.000000:0"]
+
+
 def test_tritonclient_log_trace_and_shared_memory_settings(adapter: ServiceProcess) -> None:
     result = run_client("http_settings.py", adapter.info["http"], "add_sub")
     assert result["log_before"]["log_verbose_level"] == 0
