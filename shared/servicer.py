@@ -56,6 +56,7 @@ STATUS_CODE = "meshserve_status_code"
 
 def to_domain(request: pb.ModelInferRequest) -> InferRequest:
     """A ModelInferRequest as the domain InferRequest."""
+    refuse_shared_memory(request)
     params = parameters_to_dict(request.parameters)
     priority = params.get("priority", 0)
     timeout = params.get("timeout", 0)
@@ -90,6 +91,18 @@ def to_proto(
     names += [name for name in response.outputs if name not in names]
     encode_outputs(message, response.outputs, names)
     return message
+
+
+def refuse_shared_memory(request: pb.ModelInferRequest) -> None:
+    """UNIMPLEMENTED for a tensor placed in a shared-memory region (which would
+    otherwise read as an input without data, or an output parameter ignored)."""
+    for kind, tensors in (("input", request.inputs), ("output", request.outputs)):
+        for tensor in tensors:
+            if "shared_memory_region" in tensor.parameters:
+                raise Unimplemented(
+                    f"{kind} '{tensor.name}': shared-memory tensors are not supported by "
+                    "meshserve; send tensors in raw_input_contents and read raw_output_contents"
+                )
 
 
 def _classifier(

@@ -39,6 +39,7 @@ from shared.servicer import (
     EMPTY_FINAL_RESPONSE,
     FINAL_RESPONSE,
     BaseServicer,
+    refuse_shared_memory,
     stats_to_proto,
 )
 from shared.tensors import decode_inputs, decode_raw, encode_raw
@@ -55,6 +56,7 @@ def _as_mesh_error(exc: grpc.aio.AioRpcError, prefix: str = "") -> MeshError:
 
 def wire_inputs(request: pb.ModelInferRequest) -> dict[str, WireTensor]:
     """Request inputs in wire form; typed contents are re-encoded raw once."""
+    refuse_shared_memory(request)
     if request.raw_input_contents:
         if len(request.raw_input_contents) != len(request.inputs):
             raise InvalidArgument(

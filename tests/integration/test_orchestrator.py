@@ -7,7 +7,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -197,6 +197,24 @@ def test_an_ensemble_version_it_lacks_is_not_found(
     ready = stub.ModelReady(pb.ModelReadyRequest(name="diamond", version="7"))
     assert ready.ready is False
     assert stub.ModelReady(pb.ModelReadyRequest(name="diamond", version="1")).ready is True
+
+
+@pytest.mark.parametrize(("model", "names"), [("diamond", "AB"), ("add_sub", ["INPUT0", "INPUT1"])])
+@pytest.mark.parametrize("kind", ["input", "output"])
+def test_a_shared_memory_tensor_is_unimplemented_naming_it(
+    stub: pb_grpc.GRPCInferenceServiceStub, model: str, names: Sequence[str], kind: str
+) -> None:
+    request = pb.ModelInferRequest(model_name=model)
+    ones = np.ones((1, 4), dtype=np.float32)
+    encode_inputs(request, {names[0]: ones, names[1]: ones})
+    tensor = request.inputs[0] if kind == "input" else request.outputs.add(name="X")
+    tensor.parameters["shared_memory_region"].string_param = "region0"
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.ModelInfer(request, timeout=30)
+    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert f"{kind} '{tensor.name}': shared-memory tensors are not supported" in (
+        caught.value.details()
+    )
 
 
 def test_caller_deadline_bounds_the_ensemble(stub: pb_grpc.GRPCInferenceServiceStub) -> None:
