@@ -54,6 +54,14 @@ def _as_mesh_error(exc: grpc.aio.AioRpcError, prefix: str = "") -> MeshError:
     return error_for_status(exc.code(), f"{prefix}{exc.details()}")
 
 
+def _check_version(ensemble: str, version: str) -> None:
+    """NotFound for a version of an ensemble other than the one it is served as."""
+    if version not in ("", ENSEMBLE_VERSION):
+        raise NotFound(
+            f"ensemble '{ensemble}' has no version '{version}' (served: [{ENSEMBLE_VERSION}])"
+        )
+
+
 def wire_inputs(request: pb.ModelInferRequest) -> dict[str, WireTensor]:
     """Request inputs in wire form; typed contents are re-encoded raw once."""
     refuse_shared_memory(request)
@@ -89,10 +97,8 @@ class OrchestratorServicer(BaseServicer):
         """The ensemble ``name`` (None: a stage's model); a version it does not
         have is NotFound, as a stage answers for its models."""
         plan = self.ensembles.get(name)
-        if plan is not None and version not in ("", ENSEMBLE_VERSION):
-            raise NotFound(
-                f"ensemble '{name}' has no version '{version}' (served: [{ENSEMBLE_VERSION}])"
-            )
+        if plan is not None:
+            _check_version(name, version)
         return plan
 
     async def _forward(self, model: str, method: str, request: Any, context: Any) -> Any:
@@ -287,14 +293,17 @@ class OrchestratorServicer(BaseServicer):
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> Any:
         if request.name:
             if request.name in self.ensembles.stats:
+                _check_version(request.name, request.version)
                 response = pb.ModelStatisticsResponse()
                 recorder = self.ensembles.stats[request.name]
-                response.model_stats.append(stats_to_proto(request.name, 1, recorder.stats))
+                response.model_stats.append(
+                    stats_to_proto(request.name, int(ENSEMBLE_VERSION), recorder.stats)
+                )
                 return response
             return await self._forward(request.name, "ModelStatistics", request, context)
         response = pb.ModelStatisticsResponse()
         for name, recorder in self.ensembles.stats.items():
-            response.model_stats.append(stats_to_proto(name, 1, recorder.stats))
+            response.model_stats.append(stats_to_proto(name, int(ENSEMBLE_VERSION), recorder.stats))
         for endpoint in [e for e in self.router.endpoints if e.ready]:
             try:
                 part = await endpoint.stub().ModelStatistics(request, timeout=_deadline(context))

@@ -188,6 +188,7 @@ def test_an_ensemble_version_it_lacks_is_not_found(
         lambda: stub.ModelInfer(request, timeout=30),
         lambda: stub.ModelMetadata(pb.ModelMetadataRequest(name="diamond", version="7")),
         lambda: stub.ModelConfig(pb.ModelConfigRequest(name="diamond", version="7")),
+        lambda: stub.ModelStatistics(pb.ModelStatisticsRequest(name="diamond", version="7")),
     ]
     for call in calls:
         with pytest.raises(grpc.RpcError) as caught:
