@@ -5,7 +5,7 @@ One listener carries everything:
     content-type application/grpc*  -> orchestrator (native gRPC and grpc-web)
     /api/v1/...                     -> orchestrator, meshserve.v1 transcoded to JSON
     /v2/...                         -> HTTP adapter (KServe v2 REST, Triton's generate)
-    /v1/...                         -> HTTP adapter (OpenAI-compatible)
+    /v1/..., /health                -> HTTP adapter (OpenAI-compatible, as vLLM serves it)
     anything else                   -> 404 {"error": ...}
 
 Local replies (401, 404, 413, 429...) are JSON ``{"error": ...}`` for HTTP
@@ -150,6 +150,12 @@ def _routes(settings: EdgeSettings) -> list[dict[str, Any]]:
         },
         {
             "match": {"prefix": "/v2"},
+            "route": {"cluster": "http_adapter", "timeout": timeout},
+            "typed_per_filter_config": no_transcoder,
+        },
+        # vLLM's health path, for the probes of its users.
+        {
+            "match": {"path": "/health"},
             "route": {"cluster": "http_adapter", "timeout": timeout},
             "typed_per_filter_config": no_transcoder,
         },

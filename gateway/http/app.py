@@ -177,6 +177,15 @@ async def server_ready(request: web.Request) -> web.Response:
     return _readiness(answer.ready, "the orchestrator is not ready")
 
 
+async def vllm_health(request: web.Request) -> web.Response:
+    """GET /health, as vLLM's server answers it: 200 with no body when the mesh
+    can serve (a vLLM user's probes keep their path), else 503 with the reason."""
+    answer = await server_ready(request)
+    if answer.status == 200:
+        return web.Response(status=200)
+    return web.Response(status=503, body=answer.body, content_type="application/json")
+
+
 async def server_metadata(request: web.Request) -> web.Response:
     """GET /v2."""
     answer = await _call(request, "ServerMetadata", pb.ServerMetadataRequest())
@@ -287,6 +296,7 @@ def build_app(state: AdapterState) -> web.Application:
     app.router.add_get("/v2/health/live", server_live)
     app.router.add_get("/v2/health/ready", server_ready)
     app.router.add_get("/v2", server_metadata)
+    app.router.add_get("/health", vllm_health)
     # Before {name}: "stats" is the all-models statistics route, not a model.
     app.router.add_get("/v2/models/stats", model_statistics)
     for prefix in (model, version):

@@ -220,6 +220,13 @@ def test_raw_http_errors_are_openai_json(
     assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
 
 
+def test_vllm_health_path_answers_through_envoy(base_url: str) -> None:
+    # vLLM's server answers GET /health with 200 and no body; its users' probes use it.
+    edge = base_url.removesuffix("/v1")
+    with urllib.request.urlopen(f"{edge}/health", timeout=30) as response:
+        assert response.status == 200 and response.read() == b""
+
+
 def test_raw_sse_framing(base_url: str) -> None:
     body = {
         "messages": [{"role": "user", "content": "What is the capital of France?"}],

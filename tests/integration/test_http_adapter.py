@@ -213,6 +213,11 @@ def test_json_beyond_the_parser_is_400_not_500(adapter: ServiceProcess) -> None:
     assert status == 200
 
 
+def test_vllm_health_path_is_200_without_a_body(adapter: ServiceProcess) -> None:
+    status, _, body = http("GET", url(adapter, "/health"))
+    assert status == 200 and body == b""
+
+
 def test_unknown_model_is_404(adapter: ServiceProcess) -> None:
     status, _, body = http("POST", url(adapter, "/v2/models/nope/infer"), infer_body([1, 2, 3, 4]))
     assert status == 404
@@ -393,6 +398,7 @@ def test_orchestrator_down_is_503_and_not_ready() -> None:
     try:
         live, _, _ = http("GET", url(adapter, "/v2/health/live"))
         ready, _, ready_body = http("GET", url(adapter, "/v2/health/ready"))
+        health, _, health_body = http("GET", url(adapter, "/health"))
         status, _, body = http(
             "POST", url(adapter, "/v2/models/add_sub/infer"), infer_body([1] * 4)
         )
@@ -400,6 +406,8 @@ def test_orchestrator_down_is_503_and_not_ready() -> None:
         adapter.stop()
     assert live == 200
     assert ready == 400 and json.loads(ready_body)["ready"] is False
+    # vLLM's /health: 503 while the mesh cannot serve, with the reason.
+    assert health == 503 and "127.0.0.1:1" in json.loads(health_body)["error"]
     assert status == 503
     assert "127.0.0.1:1" in json.loads(body)["error"]
 
