@@ -119,6 +119,7 @@ def generate_request(name: str, version: str, body: Mapping[str, Any]) -> Genera
         raise InvalidArgument(f"parameters: expected an object, got {kind(parameters)}")
     settings = _sampling_parameters(body.get("sampling_parameters"))
     settings.update((k, v) for k, v in parameters.items() if k not in _SWITCHES)
+    settings = {k: v for k, v in settings.items() if v is not None}  # null: the default
     unknown = sorted(set(settings) - set(SAMPLING_KEYS))
     if unknown:
         raise InvalidArgument(

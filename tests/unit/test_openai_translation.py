@@ -297,6 +297,9 @@ def test_generate_request_defaults_stream_echo_and_sixteen_tokens() -> None:
     call = generate_request("llm", "", {"text_input": "Hello"})
     assert generate_sampling(call) == {"max_tokens": DEFAULT_MAX_TOKENS} == {"max_tokens": 16}
     assert (call.stream, call.echo) == (True, True)
+    # null asks for the default, as leaving the setting out does.
+    nulls = {"text_input": "Hello", "parameters": {"max_tokens": None, "seed": None}}
+    assert generate_sampling(generate_request("llm", "", nulls)) == {"max_tokens": 16}
 
 
 @pytest.mark.parametrize(
