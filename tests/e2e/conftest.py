@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -97,3 +98,39 @@ def streamed_chat(
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json", **(headers or {})},
     )
+
+
+_ABORTED = "meshserve_llm_requests_finished_total[abort]"
+
+
+def llm_metrics(metrics_port: int) -> dict[str, float]:
+    """The inference service's ``meshserve_llm_*`` samples, summed over labels but
+    ``finish_reason`` (kept as ``name[reason]``)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r"(meshserve_llm_\w+)(\{[^}]*\})? (\S+)$", line)
+        if match:
+            reason = re.search(r'finish_reason="(\w+)"', match[2] or "")
+            name = f"{match[1]}[{reason[1]}]" if reason else match[1]
+            samples[name] = samples.get(name, 0.0) + float(match[3])
+    return samples
+
+
+def aborted_generations(metrics_port: int) -> float:
+    """How many generations the inference service has aborted so far."""
+    return llm_metrics(metrics_port).get(_ABORTED, 0.0)
+
+
+def wait_for_abort(metrics_port: int, before: float) -> None:
+    """Until the engine has dropped a request (one more aborted than ``before``)
+    and holds nothing running, waiting or unfinished; fails after 15 s."""
+    names = [f"meshserve_llm_requests_{n}" for n in ("running", "waiting", "unfinished")]
+    deadline = time.monotonic() + 15
+    while True:  # the abort completes on the server a moment after the client goes
+        samples = llm_metrics(metrics_port)
+        if samples.get(_ABORTED, 0.0) > before and not any(samples[n] for n in names):
+            return
+        assert time.monotonic() < deadline, f"the generation was not aborted: {samples}"
+        time.sleep(0.2)

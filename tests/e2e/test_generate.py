@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.conftest import aborted_generations, wait_for_abort
+
 pytestmark = pytest.mark.e2e
 
 PROMPT = "The capital of France is"
@@ -135,3 +137,19 @@ def test_generate_errors_keep_their_status_and_name_the_field(
     assert code == status and kind.startswith("application/json")
     message = json.loads(answer)["error"]
     assert all(word in message for word in words), message
+
+
+def test_closing_a_generate_stream_aborts_the_generation(edge: str, mesh: dict[str, Any]) -> None:
+    metrics_port = mesh["processes"]["inference-0"]["metrics_port"]
+    before = aborted_generations(metrics_port)
+    body = {"text_input": "1, 2, 3, 4, 5, 6,", "parameters": {"max_tokens": 1500}}
+    request = urllib.request.Request(
+        f"{edge}/v2/models/llm/generate_stream",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        lines = [response.readline() for _ in range(6)]  # three events of new text
+    assert all(line.startswith(b"data: ") for line in lines[::2]), lines
+    assert "finish_reason" not in json.loads(lines[4][len(b"data: ") :])
+    wait_for_abort(metrics_port, before)

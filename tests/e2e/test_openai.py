@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import time
 import urllib.error
 import urllib.request
 from email.message import Message
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.e2e.conftest import streamed_chat
+from tests.e2e.conftest import aborted_generations, streamed_chat, wait_for_abort
 from tests.harness import run_client
 from tests.otlp import OtlpReceiver, Span
 
@@ -243,40 +242,13 @@ def test_raw_sse_framing(base_url: str) -> None:
     assert "Paris" in "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
 
 
-def _llm_metrics(metrics_port: int) -> dict[str, float]:
-    """The inference service's ``meshserve_llm_*`` samples, summed over labels but
-    ``finish_reason`` (kept as ``name[reason]``)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    samples: dict[str, float] = {}
-    for line in text.splitlines():
-        match = re.match(r"(meshserve_llm_\w+)(\{[^}]*\})? (\S+)$", line)
-        if match:
-            reason = re.search(r'finish_reason="(\w+)"', match[2] or "")
-            name = f"{match[1]}[{reason[1]}]" if reason else match[1]
-            samples[name] = samples.get(name, 0.0) + float(match[3])
-    return samples
-
-
-def _in_engine(samples: dict[str, float]) -> float:
-    names = ("running", "waiting", "unfinished")
-    return sum(samples[f"meshserve_llm_requests_{n}"] for n in names)
-
-
 def test_closing_a_stream_aborts_the_generation(base_url: str, mesh: dict[str, Any]) -> None:
     metrics_port = mesh["processes"]["inference-0"]["metrics_port"]
     assert metrics_port > 0
-    aborted = "meshserve_llm_requests_finished_total[abort]"
-    before = _llm_metrics(metrics_port).get(aborted, 0.0)
+    before = aborted_generations(metrics_port)
     result = run_client("openai_cancel.py", base_url, 5)
     assert result == {"read": 5, "finish": None}
-    # The engine drops the request: counted as aborted, nothing left running or waiting.
-    deadline = time.monotonic() + 15
-    while (samples := _llm_metrics(metrics_port)).get(aborted, 0.0) <= before or _in_engine(
-        samples
-    ):
-        assert time.monotonic() < deadline, f"the generation was not aborted: {samples}"
-        time.sleep(0.2)
+    wait_for_abort(metrics_port, before)
 
 
 def test_one_chat_request_is_one_trace_across_the_mesh(base_url: str, otlp: OtlpReceiver) -> None:
