@@ -154,6 +154,19 @@ def stream_failure(message: pb.ModelStreamInferResponse) -> MeshError:
     return InvalidArgument(message.error_message)
 
 
+async def until_final(
+    messages: AsyncIterator[pb.ModelStreamInferResponse],
+) -> AsyncIterator[pb.ModelInferResponse]:
+    """One decoupled request's responses from its stream's messages, up to the final
+    one; a message with an ``error_message`` raises its MeshError (``stream_failure``)."""
+    async for message in messages:
+        if message.error_message:
+            raise stream_failure(message)
+        yield message.infer_response
+        if is_final(message.infer_response):
+            return
+
+
 def _duration(target: pb.StatisticDuration, source: Duration) -> None:
     target.count = source.count
     target.ns = source.ns

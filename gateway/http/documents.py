@@ -78,7 +78,7 @@ def repository_index(response: pb.RepositoryIndexResponse) -> list[dict[str, Any
     return [to_json(model) for model in response.models]
 
 
-def _object(body: bytes, what: str) -> dict[str, Any]:
+def json_object(body: bytes, what: str) -> dict[str, Any]:
     """A request body that must be a JSON object; an empty body is ``{}``."""
     if not body.strip():
         return {}
@@ -93,7 +93,7 @@ def _object(body: bytes, what: str) -> dict[str, Any]:
 
 def index_request(body: bytes) -> pb.RepositoryIndexRequest:
     """``{"ready": bool}`` (optional) -> RepositoryIndexRequest."""
-    document = _object(body, "repository index")
+    document = json_object(body, "repository index")
     ready = document.get("ready", False)
     if not isinstance(ready, bool):
         raise InvalidArgument(f"repository index: 'ready' must be a boolean, got {ready!r}")
@@ -103,7 +103,7 @@ def index_request(body: bytes) -> pb.RepositoryIndexRequest:
 
 
 def _repository_parameters(target: Any, body: bytes, what: str) -> None:
-    parameters = _object(body, what).get("parameters") or {}
+    parameters = json_object(body, what).get("parameters") or {}
     if not isinstance(parameters, dict):
         raise InvalidArgument(f"{what}: 'parameters' must be a JSON object")
     for key, value in parameters.items():
@@ -144,7 +144,7 @@ def unload_request(name: str, body: bytes) -> pb.RepositoryModelUnloadRequest:
 def log_settings_request(body: bytes) -> pb.LogSettingsRequest:
     """``{"log_verbose_level": 1, ...}`` (the settings to change; none: read them)."""
     request = pb.LogSettingsRequest()
-    for key, value in _object(body, "logging").items():
+    for key, value in json_object(body, "logging").items():
         setting = request.settings[key]
         if isinstance(value, bool):
             setting.bool_param = value
@@ -173,7 +173,7 @@ def trace_settings_request(model: str, body: bytes) -> pb.TraceSettingRequest:
     """``{"trace_level": ["TIMESTAMPS"], "trace_rate": "100", ...}``: a string or a
     list of strings per setting; null clears it."""
     request = pb.TraceSettingRequest(model_name=model)
-    for key, value in _object(body, "trace setting").items():
+    for key, value in json_object(body, "trace setting").items():
         values = [value] if isinstance(value, str) else [] if value is None else value
         if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
             raise InvalidArgument(

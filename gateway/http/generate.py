@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
+from gateway.http.documents import json_object
 from gateway.http.openai_documents import InvalidParam, kind, sampling_params
 from gateway.http.upstream import Upstream
 from inference import grpc_service_pb2 as pb
@@ -207,13 +208,8 @@ class GenerateApi:
         self._read_body = read_body
 
     async def _call(self, request: web.Request) -> GenerateCall:
-        try:
-            body = jsontext.parse(await self._read_body(request))
-        except ValueError as exc:
-            raise InvalidArgument(f"malformed JSON in the request body: {exc}") from exc
-        if not isinstance(body, dict):
-            raise InvalidArgument(f"the request body must be a JSON object, got {kind(body)}")
         info = request.match_info
+        body = json_object(await self._read_body(request), f"generate '{info['name']}'")
         return generate_request(info["name"], info.get("version", ""), body)
 
     async def generate(self, request: web.Request) -> web.Response:

@@ -23,7 +23,7 @@ from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.channels import open_channels
 from shared.errors import MeshError, error_for_status
-from shared.servicer import is_final, stream_failure
+from shared.servicer import until_final
 
 
 class Upstream:
@@ -61,12 +61,8 @@ class Upstream:
         stub = self._stubs[next(self._next)]
         call = stub.ModelStreamInfer(iter([request]), timeout=self.timeout_s)
         try:
-            async for message in call:
-                if message.error_message:
-                    raise stream_failure(message)
-                yield message.infer_response
-                if is_final(message.infer_response):
-                    return
+            async for response in until_final(call):
+                yield response
         except grpc.aio.AioRpcError as exc:
             raise self.failure(exc) from exc
         finally:

@@ -18,7 +18,7 @@ from services.orchestrator.ensemble import Step, WireTensor
 from services.orchestrator.router import StageRouter
 from services.orchestrator.stage_stream import StageStream
 from shared.errors import MeshError, Unavailable, error_for_status
-from shared.servicer import is_final, stream_failure
+from shared.servicer import stream_failure, until_final
 
 
 async def relay(
@@ -30,17 +30,19 @@ async def relay(
 
     ``opened`` runs once the request is on its way.
     """
-    stream, message = await _first_response(router, request, opened)
-    try:
+    stream, first = await _first_response(router, request, opened)
+
+    async def messages() -> AsyncIterator[pb.ModelStreamInferResponse]:
         # A stage ends the stream after a decoupled model's last response; it marks
         # that response final only where the model or the caller asked for one.
+        message = first
         while message is not None:
-            if message.error_message:
-                raise stream_failure(message)
-            yield message.infer_response
-            if is_final(message.infer_response):
-                return
+            yield message
             message = await stream.read()
+
+    try:
+        async for response in until_final(messages()):
+            yield response
     except grpc.aio.AioRpcError as exc:
         raise error_for_status(exc.code(), exc.details() or "stream failed") from exc
     finally:
