@@ -168,15 +168,14 @@ class Answer:
         """Take in one response; returns its new text."""
         outputs = decode_outputs(response)
         self.model_name, self.model_version = response.model_name, response.model_version
-        delta = _first(outputs, "TEXT_DELTA")
-        text = b"" if delta is None else bytes(delta)
-        self.text += text.decode(errors="replace")
-        self.finish_reason = str(_decoded(_first(outputs, "FINISH_REASON")) or self.finish_reason)
+        text = _decoded(_first(outputs, "TEXT_DELTA"))
+        self.text += text
+        self.finish_reason = _decoded(_first(outputs, "FINISH_REASON")) or self.finish_reason
         for field in ("prompt_tokens", "completion_tokens"):
             count = _first(outputs, field.upper())
             if count is not None:
                 setattr(self, field, int(count))
-        return text.decode(errors="replace")
+        return text
 
     def document(self, text: str, last: bool) -> dict[str, Any]:
         """A response object: ``text`` as ``text_output``; the last one adds how it ended."""
