@@ -15,12 +15,9 @@ from typing import Any
 
 from pydantic_core import from_json
 
-MAX_DEPTH = 200
-"""Nesting the parser takes (pydantic-core's fixed limit): far beyond any request's."""
-
 
 def parse(text: bytes | str) -> Any:
     """JSON text as Python values; ValueError (line and column) when it is not
-    well-formed Unicode JSON or nests deeper than ``MAX_DEPTH``, TypeError when
-    ``text`` is neither bytes nor str."""
+    well-formed Unicode JSON or nests deeper than 200 levels (pydantic-core's fixed
+    limit, far beyond any request's); TypeError when ``text`` is neither bytes nor str."""
     return from_json(text)
