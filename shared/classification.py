@@ -15,6 +15,7 @@ orchestrator to its ensembles' outputs.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -87,15 +88,34 @@ def top_classes(
     return answer if batched and array.ndim else answer.reshape(k)
 
 
-def classify_outputs(
-    outputs: Mapping[str, np.ndarray],
-    classes: Mapping[str, int],
-    batched: bool,
-    labels: Mapping[str, list[str]],
-) -> dict[str, np.ndarray]:
-    """``outputs`` with each output named in ``classes`` replaced by its top classes."""
-    answered = dict(outputs)
-    for name, k in classes.items():
-        if name in answered:
-            answered[name] = top_classes(answered[name], k, batched, labels.get(name), name)
-    return answered
+@dataclass(frozen=True)
+class Classification:
+    """The outputs one request asks to have classified, and how."""
+
+    classes: dict[str, int]
+    """Output name -> k."""
+    batched: bool
+    """The model batches: each row of the first dimension is classified alone."""
+    labels: dict[str, list[str]]
+    """Output name -> its labels, where its config names a label_filename."""
+
+    def apply(self, outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``outputs`` with each output asked for replaced by its top classes."""
+        answered = dict(outputs)
+        for name, k in self.classes.items():
+            if name in answered:
+                labels = self.labels.get(name)
+                answered[name] = top_classes(answered[name], k, self.batched, labels, name)
+        return answered
+
+
+def classification(
+    request: pb.ModelInferRequest, config: mc.ModelConfig, model_dir: Path | None
+) -> Classification | None:
+    """What ``request`` asks of the model ``config`` describes (labels read from
+    ``model_dir``); None when it asks no output to be classified."""
+    classes = requested_classes(request)
+    if not classes:
+        return None
+    labels = output_labels(config, model_dir, list(classes)) if model_dir else {}
+    return Classification(classes, config.max_batch_size > 0, labels)

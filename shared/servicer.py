@@ -11,15 +11,14 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
-from shared.backend import ModelSpec
-from shared.classification import classify_outputs, output_labels, requested_classes
+from shared.classification import Classification, classification
 from shared.errors import (
     GENERIC_INTERNAL_MESSAGE,
     InvalidArgument,
@@ -105,22 +104,11 @@ def refuse_shared_memory(request: pb.ModelInferRequest) -> None:
                 )
 
 
-def _classifier(
-    spec: ModelSpec, request: pb.ModelInferRequest
-) -> Callable[[InferResponse], InferResponse]:
-    """What answers the outputs that ask for classification (Triton's extension)
-    as their top classes; the identity when none does."""
-    classes = requested_classes(request)
-    if not classes:
-        return lambda response: response
-    labels = output_labels(spec.config, spec.model_dir, list(classes))
-    batched = spec.config.max_batch_size > 0
-
-    def classify(response: InferResponse) -> InferResponse:
-        outputs = classify_outputs(response.outputs, classes, batched, labels)
-        return dataclasses.replace(response, outputs=outputs)
-
-    return classify
+def _classified(wanted: Classification | None, response: InferResponse) -> InferResponse:
+    """``response`` with the outputs ``wanted`` names as their top classes."""
+    if wanted is None:
+        return response
+    return dataclasses.replace(response, outputs=wanted.apply(response.outputs))
 
 
 def stream_error(request: pb.ModelInferRequest, error: MeshError) -> pb.ModelStreamInferResponse:
@@ -349,8 +337,8 @@ class InferenceServicer(BaseServicer):
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> Any:
         model = self.manager.get(request.model_name, request.model_version)
         domain = to_domain(request)
-        classify = _classifier(model.spec, request)
-        response = classify(await model.infer(domain))
+        wanted = classification(request, model.spec.config, model.spec.model_dir)
+        response = _classified(wanted, await model.infer(domain))
         return to_proto(domain, model.version, response, [o.name for o in model.spec.config.output])
 
     async def stream_responses(
@@ -361,12 +349,12 @@ class InferenceServicer(BaseServicer):
         domain = to_domain(request)
         order = [output.name for output in model.spec.config.output]
         wants_empty_final = domain.parameters.get(EMPTY_FINAL_RESPONSE) is True
-        classify = _classifier(model.spec, request)
+        wanted = classification(request, model.spec.config, model.spec.model_dir)
         async with contextlib.aclosing(model.stream(domain)) as responses:
             async for response in responses:
                 if response.final and not response.outputs and not wants_empty_final:
                     return  # Triton sends a flags-only final response only when asked to
-                message = to_proto(domain, model.version, classify(response), order)
+                message = to_proto(domain, model.version, _classified(wanted, response), order)
                 message.parameters[FINAL_RESPONSE].bool_param = response.final
                 yield message
 

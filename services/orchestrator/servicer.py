@@ -32,7 +32,7 @@ from services.orchestrator.streaming import (
     step_request,
     wire_outputs,
 )
-from shared.classification import classify_outputs, output_labels, requested_classes
+from shared.classification import classification
 from shared.errors import InvalidArgument, MeshError, NotFound, error_for_status
 from shared.repository import hosting_service
 from shared.servicer import (
@@ -159,22 +159,20 @@ class OrchestratorServicer(BaseServicer):
     ) -> Callable[[dict[str, WireTensor]], dict[str, WireTensor]]:
         """What answers the ensemble outputs that ask for classification as their
         top classes (labels from the ensemble's folder); the identity when none does."""
-        classes = requested_classes(request)
-        if not classes:
-            return lambda outputs: outputs
         repository = self.ensembles.repository
         folder = repository.root / plan.name if repository is not None else None
-        labels = output_labels(plan.config, folder, list(classes)) if folder else {}
-        batched = plan.config.max_batch_size > 0
+        wanted = classification(request, plan.config, folder)
+        if wanted is None:
+            return lambda outputs: outputs
 
         def classify(outputs: dict[str, WireTensor]) -> dict[str, WireTensor]:
             arrays = {
                 name: decode_raw(name, tensor.datatype, tensor.shape, tensor.raw)
                 for name, tensor in outputs.items()
-                if name in classes
+                if name in wanted.classes
             }
             answered = dict(outputs)
-            for name, array in classify_outputs(arrays, classes, batched, labels).items():
+            for name, array in wanted.apply(arrays).items():
                 answered[name] = WireTensor("BYTES", array.shape, encode_raw(array))
             return answered
 
