@@ -9,8 +9,10 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
+from email.message import Message
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +136,16 @@ def wait_for_abort(metrics_port: int, before: float) -> None:
             return
         assert time.monotonic() < deadline, f"the generation was not aborted: {samples}"
         time.sleep(0.2)
+
+
+def post(url: str, body: Any) -> tuple[int, Message, bytes]:
+    """POST JSON (or raw bytes); the status, the headers (case-insensitive), the body."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.headers, response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers, err.read()

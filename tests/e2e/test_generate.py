@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import aborted_generations, wait_for_abort
+from tests.e2e.conftest import aborted_generations, post, wait_for_abort
 
 pytestmark = pytest.mark.e2e
 
@@ -26,18 +26,6 @@ def edge(mesh: dict[str, Any]) -> str:
     return f"http://{mesh['processes']['envoy']['grpc']}"
 
 
-def post(url: str, body: Any) -> tuple[int, str, bytes]:
-    """POST JSON; the status, the Content-Type and the body."""
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, response.headers["Content-Type"], response.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.headers["Content-Type"], err.read()
-
-
 def events(body: bytes) -> list[dict[str, Any]]:
     """The ``data:`` events of an SSE body, parsed."""
     blocks = [b for b in body.decode().split("\n\n") if b.strip()]
@@ -46,11 +34,11 @@ def events(body: bytes) -> list[dict[str, Any]]:
 
 
 def test_generate_answers_the_prompt_then_the_text_the_completions_api_gives(edge: str) -> None:
-    status, kind, body = post(
+    status, headers, body = post(
         f"{edge}/v2/models/llm/generate",
         {"text_input": PROMPT, "parameters": {**GREEDY, "stream": False}},
     )
-    assert status == 200 and kind.startswith("application/json")
+    assert status == 200 and headers["Content-Type"].startswith("application/json")
     answer = json.loads(body)
     assert (answer["model_name"], answer["model_version"]) == ("llm", "1")
     # As Triton's vLLM backend: the prompt, then what was generated.
@@ -77,8 +65,8 @@ def test_generate_answers_the_prompt_then_the_text_the_completions_api_gives(edg
 
 def test_generate_stream_events_add_up_to_the_whole_answer(edge: str) -> None:
     url = f"{edge}/v2/models/llm/generate_stream"
-    status, kind, body = post(url, {"text_input": PROMPT, "parameters": GREEDY})
-    assert status == 200 and kind.startswith("text/event-stream")
+    status, headers, body = post(url, {"text_input": PROMPT, "parameters": GREEDY})
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
     streamed = events(body)
     assert len(streamed) > 1
     assert {(e["model_name"], e["model_version"]) for e in streamed} == {("llm", "1")}
@@ -133,8 +121,8 @@ def test_generate_without_max_tokens_stops_at_sixteen(edge: str) -> None:
 def test_generate_errors_keep_their_status_and_name_the_field(
     edge: str, path: str, body: dict[str, Any], status: int, words: list[str]
 ) -> None:
-    code, kind, answer = post(f"{edge}/v2/models/{path}", body)
-    assert code == status and kind.startswith("application/json")
+    code, headers, answer = post(f"{edge}/v2/models/{path}", body)
+    assert code == status and headers["Content-Type"].startswith("application/json")
     message = json.loads(answer)["error"]
     assert all(word in message for word in words), message
 

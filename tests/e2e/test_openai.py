@@ -12,13 +12,12 @@ import re
 import secrets
 import urllib.error
 import urllib.request
-from email.message import Message
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.e2e.conftest import aborted_generations, streamed_chat, wait_for_abort
+from tests.e2e.conftest import aborted_generations, post, streamed_chat, wait_for_abort
 from tests.harness import run_client
 from tests.otlp import OtlpReceiver, Span
 
@@ -73,19 +72,6 @@ def base_url(mesh: dict[str, Any]) -> str:
 def basics(base_url: str) -> dict[str, Any]:
     result: dict[str, Any] = run_client("openai_basics.py", base_url)
     return result
-
-
-def post(url: str, body: Any) -> tuple[int, Message, bytes]:
-    """POST JSON (or raw bytes); the status, the headers (case-insensitive), the body."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(
-        url, data=data, headers={"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, response.headers, response.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.headers, err.read()
 
 
 def test_chat_completion_answers_paris(basics: dict[str, Any]) -> None:
