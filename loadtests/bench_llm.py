@@ -31,8 +31,15 @@ measured round. Under 16 streams TTFT is mostly the engine's prefill queue, so
 adds: the difference of p50s, and the median of differences between probes sent
 back to back with the same prompt (the engine's time for a prompt moves by tens
 of ms from probe to probe; pairing takes the prompt's share out); each round of
-probes starts at the next target, so no target always follows the same one. Token counts
-come from each server's own usage numbers (transformers: the tokens before end
+probes starts at the next target, so no target always follows the same one. Around
+each probe the bench also reads the engine's own TTFT from its /metrics
+(``vllm:time_to_first_token_seconds``: the mesh's inference service relays its
+engine's, vLLM's server shows its own), so "outside the engine" is the serving
+path alone, free of the engine's ups and downs: HTTP, the mesh's hops, the
+detokenizer. It leans against the mesh: vLLM's server starts that clock before
+its chat template and tokenizer, the mesh's inference stage after the tokenizer
+stage, so vLLM's own tokenizing counts as engine time and the mesh's does not.
+Token counts come from each server's own usage numbers (transformers: the tokens before end
 of text), so a target that stops early is not credited with tokens it did not
 make. Everything started is stopped by PID (process group) on
 exit, error or Ctrl-C.
@@ -63,6 +70,7 @@ import grpc
 import numpy as np
 from common import (
     DEFAULT_REPOSITORY,
+    MeshInfo,
     format_table,
     install_sigterm_exit,
     load_average,
@@ -144,6 +152,8 @@ class RoundResult:
     wall_s: float
     cpu_s: float = 0.0
     """Busy CPU seconds of the whole machine over the round."""
+    engine_ttft_s: float | None = None
+    """A lone probe's TTFT inside the engine, from its /metrics (None: not read)."""
 
     @property
     def tokens(self) -> int:
@@ -176,6 +186,29 @@ class StreamClock:
 
 StreamCall = Callable[[str, int], Awaitable[StreamResult]]
 """Send one chat prompt with a max_tokens; returns its timings."""
+
+
+ENGINE_TTFT = "vllm:time_to_first_token_seconds"
+
+
+class EngineTtft:
+    """An engine's own TTFT histogram, summed over the /metrics pages that show it."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        self._urls = list(urls)
+
+    def totals(self) -> tuple[float, float]:
+        """(seconds, requests) so far."""
+        seconds = count = 0.0
+        for url in self._urls:
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                for line in reply.read().decode().splitlines():
+                    name, _, value = line.partition(" ")
+                    if name.startswith(f"{ENGINE_TTFT}_sum"):
+                        seconds += float(value)
+                    elif name.startswith(f"{ENGINE_TTFT}_count"):
+                        count += float(value)
+        return seconds, count
 
 
 async def run_round(
@@ -434,10 +467,12 @@ def _static_runner(static: StaticBatch) -> Runner:
 
 
 async def measure(
-    settings: Settings, edge: str, vllm_url: str | None
+    settings: Settings, mesh: MeshInfo, vllm_url: str | None
 ) -> tuple[list[RoundResult], list[RoundResult]]:
     """Warm every target once, then ``rounds`` interleaved measured rounds of the
-    whole batch, then ``probes`` lone one-token requests per target (TTFT alone)."""
+    whole batch, then ``probes`` lone one-token requests per target (TTFT alone,
+    with the engine's own share)."""
+    edge = mesh.edge
     texts = prompts(settings.streams)
     clients: dict[str, OpenAiChat | GrpcChat] = {}
     if "mesh openai" not in settings.skip:
@@ -447,6 +482,16 @@ async def measure(
     if vllm_url is not None:
         clients["vllm server"] = OpenAiChat(vllm_url, ENGINE_MODEL, settings.streams)
     runners = {label: _stream_runner(label, client) for label, client in clients.items()}
+    mesh_engine = EngineTtft(
+        [
+            f"http://127.0.0.1:{port}/metrics"
+            for name, port in mesh.metrics_ports.items()
+            if name.startswith("inference")
+        ]
+    )
+    engines = {"mesh openai": mesh_engine, "mesh grpc": mesh_engine}
+    if vllm_url is not None:
+        engines["vllm server"] = EngineTtft([vllm_url.removesuffix("/v1") + "/metrics"])
     if "transformers" not in settings.skip:
         runners["transformers"] = _static_runner(
             StaticBatch(settings.repository / ENGINE_MODEL / "1")
@@ -461,25 +506,36 @@ async def measure(
                 if round_index:
                     rounds.append(done)
                 print(f"  round {round_index} {label}: {done.tokens_per_s:.1f} tok/s", flush=True)
-        order = list(runners.values())
+        order = list(runners)
         for index in range(settings.probes):
             # Each probe round starts at the next target, so that none always runs
             # right after the same other one (an engine that just worked, say).
             turn = index % len(order)
-            for run in order[turn:] + order[:turn]:
-                probes.append(await _timed(run, [texts[index % len(texts)]], 1))
+            for label in order[turn:] + order[:turn]:
+                text = texts[index % len(texts)]
+                probes.append(await _timed(runners[label], [text], 1, engines.get(label)))
     finally:
         for client in clients.values():
             await client.close()
     return rounds, probes
 
 
-async def _timed(run: Runner, texts: Sequence[str], max_tokens: int) -> RoundResult:
-    """``run``, with the machine's busy CPU seconds over it (idle engines add ~0)."""
+async def _timed(
+    run: Runner, texts: Sequence[str], max_tokens: int, engine: EngineTtft | None = None
+) -> RoundResult:
+    """``run``, with the machine's busy CPU seconds over it (idle engines add ~0),
+    and the engine's own TTFT where ``engine`` is given and ran exactly one request."""
     await asyncio.sleep(QUIET_S)
+    engine_before = engine.totals() if engine is not None else None
     before = machine_cpu_seconds()
     done = await run(texts, max_tokens)
-    return dataclasses.replace(done, cpu_s=machine_cpu_seconds() - before)
+    done = dataclasses.replace(done, cpu_s=machine_cpu_seconds() - before)
+    if engine is None or engine_before is None:
+        return done
+    seconds, count = engine.totals()
+    if count - engine_before[1] != 1:
+        return done
+    return dataclasses.replace(done, engine_ttft_s=seconds - engine_before[0])
 
 
 def _check(done: RoundResult, max_tokens: int) -> None:
@@ -509,6 +565,17 @@ def _paired_median_ms(runs: Sequence[RoundResult], base: Sequence[RoundResult]) 
         for mine, theirs in zip(run.streams, other.streams, strict=True)
     ]
     return float(np.median(differences))
+
+
+def _outside_engine_p50_ms(runs: Sequence[RoundResult]) -> float | None:
+    """p50 of the probes' TTFT beyond the engine's own; None when no engine was read."""
+    outside = [
+        (stream.ttft_s - run.engine_ttft_s) * 1000
+        for run in runs
+        if run.engine_ttft_s is not None
+        for stream in run.streams
+    ]
+    return float(np.median(outside)) if outside else None
 
 
 def report(rounds: Sequence[RoundResult], probes: Sequence[RoundResult], settings: Settings) -> str:
@@ -554,6 +621,7 @@ def report(rounds: Sequence[RoundResult], probes: Sequence[RoundResult], setting
     if probes:
         alone = {label: [r for r in probes if r.label == label] for label in labels}
         base_alone = _percentiles_ms(alone[BASELINE])[0] if BASELINE in alone else None
+        base_outside = _outside_engine_p50_ms(alone.get(BASELINE, []))
         rows = []
         for label in labels:
             p50, p99 = _percentiles_ms(alone[label])
@@ -563,11 +631,35 @@ def report(rounds: Sequence[RoundResult], probes: Sequence[RoundResult], setting
                 if base_alone is not None
                 else "-"
             )
-            rows.append([label, len(alone[label]), f"{p50:.1f}", f"{p99:.1f}", added, paired])
-        headers = ["target", "requests", "TTFT p50 ms", "p99 ms", "+TTFT p50 ms", "paired +ms"]
+            outside = _outside_engine_p50_ms(alone[label])
+            rows.append(
+                [
+                    label,
+                    len(alone[label]),
+                    f"{p50:.1f}",
+                    f"{p99:.1f}",
+                    added,
+                    paired,
+                    "-" if outside is None else f"{outside:.1f}",
+                    "-"
+                    if outside is None or base_outside is None
+                    else f"{outside - base_outside:+.1f}",
+                ]
+            )
+        headers = [
+            "target",
+            "requests",
+            "TTFT p50 ms",
+            "p99 ms",
+            "+TTFT p50 ms",
+            "paired +ms",
+            "outside engine p50 ms",
+            "+outside ms",
+        ]
         text += (
             f"\n\none request at a time, 1 token (TTFT without queueing); paired: the median"
-            f" over probes of (target - {BASELINE}) on the same prompt, back to back\n"
+            f" over probes of (target - {BASELINE}) on the same prompt, back to back;"
+            f" outside engine: TTFT minus the engine's own (its /metrics), p50\n"
             f"{format_table(headers, rows)}"
         )
     return text
@@ -588,7 +680,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "vllm server" not in settings.skip:
             print("starting vLLM's OpenAI server ...", flush=True)
             vllm_url = stack.enter_context(vllm_server(settings.repository))
-        rounds, probes = asyncio.run(measure(settings, mesh.edge, vllm_url))
+        rounds, probes = asyncio.run(measure(settings, mesh, vllm_url))
     print(report(rounds, probes, settings))
     print(f"load average after: {load_average()}")
     return 0

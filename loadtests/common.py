@@ -153,6 +153,8 @@ class MeshInfo:
     pids: dict[str, int]
     """Process label -> PID: every service, ``envoy`` being the real Envoy binary."""
     supervisor_pid: int
+    metrics_ports: dict[str, int] = field(default_factory=dict)
+    """Process label -> its Prometheus /metrics port (services that serve one)."""
 
 
 def install_sigterm_exit() -> None:
@@ -239,7 +241,14 @@ def _mesh_info(ready: Mapping[str, Any], supervisor_pid: int) -> MeshInfo:
     if envoy is None:
         raise RuntimeError(f"no envoy child under gateway.envoy.main (pid {pids['envoy']})")
     pids["envoy_wrapper"], pids["envoy"] = pids["envoy"], envoy
-    return MeshInfo(ready["orchestrator"], processes["envoy"]["grpc"], pids, supervisor_pid)
+    metrics = {
+        name: int(item["metrics_port"])
+        for name, item in processes.items()
+        if int(item.get("metrics_port", -1)) > 0
+    }
+    return MeshInfo(
+        ready["orchestrator"], processes["envoy"]["grpc"], pids, supervisor_pid, metrics
+    )
 
 
 def _stop_mesh(proc: subprocess.Popen[str], started: Mapping[int, int | None]) -> None:
