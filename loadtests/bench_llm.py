@@ -203,10 +203,12 @@ class EngineTtft:
         for url in self._urls:
             with urllib.request.urlopen(url, timeout=10) as reply:
                 for line in reply.read().decode().splitlines():
-                    name, _, value = line.partition(" ")
-                    if name.startswith(f"{ENGINE_TTFT}_sum"):
+                    # The value follows the last space: a label value may hold spaces.
+                    series, _, value = line.rpartition(" ")
+                    name = series.partition("{")[0]
+                    if name == f"{ENGINE_TTFT}_sum":
                         seconds += float(value)
-                    elif name.startswith(f"{ENGINE_TTFT}_count"):
+                    elif name == f"{ENGINE_TTFT}_count":
                         count += float(value)
         return seconds, count
 
