@@ -32,13 +32,21 @@ adds: the difference of p50s, and the median of differences between probes sent
 back to back with the same prompt (the engine's time for a prompt moves by tens
 of ms from probe to probe; pairing takes the prompt's share out); each round of
 probes starts at the next target, so no target always follows the same one. Around
-each probe the bench also reads the engine's own TTFT from its /metrics
-(``vllm:time_to_first_token_seconds``: the mesh's inference service relays its
-engine's, vLLM's server shows its own), so "outside the engine" is the serving
-path alone, free of the engine's ups and downs: HTTP, the mesh's hops, the
-detokenizer. It leans against the mesh: vLLM's server starts that clock before
-its chat template and tokenizer, the mesh's inference stage after the tokenizer
-stage, so vLLM's own tokenizing counts as engine time and the mesh's does not.
+each probe the bench also reads the engine's own clocks from its /metrics (the
+mesh's inference service relays its engine's ``vllm:*`` series, vLLM's server
+shows its own), so the time outside the engine is the serving path alone, free
+of the engine's ups and downs: HTTP, the mesh's hops, the detokenizer. Two
+clocks, two columns:
+
+- "outside engine": TTFT minus ``vllm:time_to_first_token_seconds``. It leans
+  against the mesh: vLLM's server starts that clock before its chat template
+  and tokenizer, the mesh's inference stage after the tokenizer stage, so
+  vLLM's own tokenizing counts as engine time and the mesh's does not;
+- "outside core": TTFT minus the engine core's own time to the first token,
+  ``vllm:request_queue_time_seconds`` + ``vllm:request_prefill_time_seconds``
+  (queued to scheduled to first token, both read in the engine core process).
+  The same clock on both sides: each side's tokenizing, its hand-over to the
+  engine core and the way back out all count as outside.
 Token counts come from each server's own usage numbers (transformers: the tokens before end
 of text), so a target that stops early is not credited with tokens it did not
 make. Everything started is stopped by PID (process group) on
@@ -154,6 +162,8 @@ class RoundResult:
     """Busy CPU seconds of the whole machine over the round."""
     engine_ttft_s: float | None = None
     """A lone probe's TTFT inside the engine, from its /metrics (None: not read)."""
+    engine_core_s: float | None = None
+    """A lone probe's time from the engine core's queue to its first token (None: not read)."""
 
     @property
     def tokens(self) -> int:
@@ -189,28 +199,60 @@ StreamCall = Callable[[str, int], Awaitable[StreamResult]]
 
 
 ENGINE_TTFT = "vllm:time_to_first_token_seconds"
+ENGINE_QUEUE = "vllm:request_queue_time_seconds"
+ENGINE_PREFILL = "vllm:request_prefill_time_seconds"
+
+
+@dataclass(frozen=True)
+class EngineClocks:
+    """An engine's own histograms, summed: seconds (and requests) so far."""
+
+    ttft_s: float = 0.0
+    """From the request's arrival at the engine's front end to its first token."""
+    ttft_count: float = 0.0
+    core_s: float = 0.0
+    """Queued in the engine core to its first token (queue + prefill; finished requests)."""
+    core_count: float = 0.0
+
+    def __sub__(self, other: EngineClocks) -> EngineClocks:
+        return EngineClocks(
+            *(mine - theirs for mine, theirs in zip(self.values(), other.values(), strict=True))
+        )
+
+    def values(self) -> tuple[float, float, float, float]:
+        return (self.ttft_s, self.ttft_count, self.core_s, self.core_count)
 
 
 class EngineTtft:
-    """An engine's own TTFT histogram, summed over the /metrics pages that show it."""
+    """An engine's own TTFT histograms, summed over the /metrics pages that show them."""
 
     def __init__(self, urls: Sequence[str]) -> None:
         self._urls = list(urls)
 
-    def totals(self) -> tuple[float, float]:
-        """(seconds, requests) so far."""
-        seconds = count = 0.0
+    def totals(self) -> EngineClocks:
+        """Seconds and requests so far."""
+        sums = dict.fromkeys(
+            (
+                f"{name}_{part}"
+                for name in (ENGINE_TTFT, ENGINE_QUEUE, ENGINE_PREFILL)
+                for part in ("sum", "count")
+            ),
+            0.0,
+        )
         for url in self._urls:
             with urllib.request.urlopen(url, timeout=10) as reply:
                 for line in reply.read().decode().splitlines():
                     # The value follows the last space: a label value may hold spaces.
                     series, _, value = line.rpartition(" ")
                     name = series.partition("{")[0]
-                    if name == f"{ENGINE_TTFT}_sum":
-                        seconds += float(value)
-                    elif name == f"{ENGINE_TTFT}_count":
-                        count += float(value)
-        return seconds, count
+                    if name in sums and not line.startswith("#"):
+                        sums[name] += float(value)
+        return EngineClocks(
+            ttft_s=sums[f"{ENGINE_TTFT}_sum"],
+            ttft_count=sums[f"{ENGINE_TTFT}_count"],
+            core_s=sums[f"{ENGINE_QUEUE}_sum"] + sums[f"{ENGINE_PREFILL}_sum"],
+            core_count=sums[f"{ENGINE_PREFILL}_count"],
+        )
 
 
 async def run_round(
@@ -534,10 +576,12 @@ async def _timed(
     done = dataclasses.replace(done, cpu_s=machine_cpu_seconds() - before)
     if engine is None or engine_before is None:
         return done
-    seconds, count = engine.totals()
-    if count - engine_before[1] != 1:
-        return done
-    return dataclasses.replace(done, engine_ttft_s=seconds - engine_before[0])
+    spent = engine.totals() - engine_before
+    return dataclasses.replace(
+        done,
+        engine_ttft_s=spent.ttft_s if spent.ttft_count == 1 else None,
+        engine_core_s=spent.core_s if spent.core_count == 1 else None,
+    )
 
 
 def _check(done: RoundResult, max_tokens: int) -> None:
@@ -569,12 +613,13 @@ def _paired_median_ms(runs: Sequence[RoundResult], base: Sequence[RoundResult]) 
     return float(np.median(differences))
 
 
-def _outside_engine_p50_ms(runs: Sequence[RoundResult]) -> float | None:
-    """p50 of the probes' TTFT beyond the engine's own; None when no engine was read."""
+def _outside_p50_ms(runs: Sequence[RoundResult], clock: str) -> float | None:
+    """p50 of the probes' TTFT beyond the engine's own time on ``clock``
+    (``engine_ttft_s`` or ``engine_core_s``); None when that clock was not read."""
     outside = [
-        (stream.ttft_s - run.engine_ttft_s) * 1000
+        (stream.ttft_s - inside) * 1000
         for run in runs
-        if run.engine_ttft_s is not None
+        if (inside := getattr(run, clock)) is not None
         for stream in run.streams
     ]
     return float(np.median(outside)) if outside else None
@@ -623,7 +668,8 @@ def report(rounds: Sequence[RoundResult], probes: Sequence[RoundResult], setting
     if probes:
         alone = {label: [r for r in probes if r.label == label] for label in labels}
         base_alone = _percentiles_ms(alone[BASELINE])[0] if BASELINE in alone else None
-        base_outside = _outside_engine_p50_ms(alone.get(BASELINE, []))
+        clocks = ("engine_ttft_s", "engine_core_s")
+        base_outside = {clock: _outside_p50_ms(alone.get(BASELINE, []), clock) for clock in clocks}
         rows = []
         for label in labels:
             p50, p99 = _percentiles_ms(alone[label])
@@ -633,21 +679,19 @@ def report(rounds: Sequence[RoundResult], probes: Sequence[RoundResult], setting
                 if base_alone is not None
                 else "-"
             )
-            outside = _outside_engine_p50_ms(alone[label])
-            rows.append(
-                [
-                    label,
-                    len(alone[label]),
-                    f"{p50:.1f}",
-                    f"{p99:.1f}",
-                    added,
-                    paired,
-                    "-" if outside is None else f"{outside:.1f}",
-                    "-"
-                    if outside is None or base_outside is None
-                    else f"{outside - base_outside:+.1f}",
-                ]
-            )
+            row: list[object] = [
+                label,
+                len(alone[label]),
+                f"{p50:.1f}",
+                f"{p99:.1f}",
+                added,
+                paired,
+            ]
+            for clock in clocks:
+                outside, theirs = _outside_p50_ms(alone[label], clock), base_outside[clock]
+                row.append("-" if outside is None else f"{outside:.1f}")
+                row.append("-" if outside is None or theirs is None else f"{outside - theirs:+.1f}")
+            rows.append(row)
         headers = [
             "target",
             "requests",
@@ -657,11 +701,14 @@ def report(rounds: Sequence[RoundResult], probes: Sequence[RoundResult], setting
             "paired +ms",
             "outside engine p50 ms",
             "+outside ms",
+            "outside core p50 ms",
+            "+core ms",
         ]
         text += (
             f"\n\none request at a time, 1 token (TTFT without queueing); paired: the median"
             f" over probes of (target - {BASELINE}) on the same prompt, back to back;"
-            f" outside engine: TTFT minus the engine's own (its /metrics), p50\n"
+            f" outside engine: TTFT minus the engine's own (vllm:time_to_first_token_seconds),"
+            f" p50; outside core: TTFT minus the engine core's queue + prefill time, p50\n"
             f"{format_table(headers, rows)}"
         )
     return text
