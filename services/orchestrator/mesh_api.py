@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,15 @@ from inference import grpc_service_pb2 as pb
 from meshserve.v1 import meshserve_pb2 as api
 from meshserve.v1 import meshserve_pb2_grpc as api_grpc
 from services.orchestrator.servicer import OrchestratorServicer
-from shared.errors import InvalidArgument, MeshError
+from services.orchestrator.tokenization import (
+    MESSAGES,
+    OUTPUT_IDS,
+    PROMPT,
+    TextSteps,
+    text_steps,
+    token_ids,
+)
+from shared.errors import InvalidArgument, MeshError, NotFound
 from shared.tensors import DATATYPES, decode_outputs, encode_inputs
 
 DEFAULT_CLASSIFIER = "image_classifier"
@@ -214,23 +222,61 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
     async def Generate(self, request: api.GenerateRequest, context: Any) -> AsyncIterator[Any]:
         if not request.prompt:
             raise InvalidArgument("prompt: a non-empty prompt is required")
-        inputs = {"PROMPT": np.array([request.prompt.encode()], dtype=object)}
+        inputs = {PROMPT: np.array([request.prompt.encode()], dtype=object)}
         async for delta in self._generate(request.model, inputs, request.sampling, context):
             yield api.GenerateResponse(delta=delta)
 
     async def Chat(self, request: api.ChatRequest, context: Any) -> AsyncIterator[Any]:
-        if not request.messages:
-            raise InvalidArgument("messages: at least one message is required")
-        for index, message in enumerate(request.messages):
-            if message.role not in ("system", "user", "assistant"):
-                raise InvalidArgument(
-                    f"messages[{index}].role: expected system, user or "
-                    f"assistant, got {message.role!r}"
-                )
-        messages = json.dumps([{"role": m.role, "content": m.content} for m in request.messages])
-        inputs = {"MESSAGES": np.array([messages.encode()], dtype=object)}
+        inputs = {MESSAGES: _chat(request.messages)}
         async for delta in self._generate(request.model, inputs, request.sampling, context):
             yield api.ChatResponse(delta=delta)
+
+    async def Tokenize(self, request: api.TokenizeRequest, context: Any) -> Any:
+        if bool(request.prompt) == bool(request.messages):
+            raise InvalidArgument("exactly one of prompt and messages is required")
+        model = request.model or DEFAULT_LLM
+        steps = self._text_steps(model)
+        if request.messages:
+            text = {steps.tokenizer_input(MESSAGES): _chat(request.messages)}
+        else:
+            prompt = np.array([request.prompt.encode()], dtype=object)
+            text = {steps.tokenizer_input(PROMPT): prompt}
+        tokenizer = steps.tokenizer
+        _, outputs = await self._infer(
+            tokenizer.model, text, tokenizer.version, [steps.ids], context
+        )
+        engine = await self.v2.ModelConfig(
+            pb.ModelConfigRequest(name=steps.engine.model, version=steps.engine.version), context
+        )
+        limit = engine.config.parameters.get("max_model_len")
+        return api.TokenizeResponse(
+            model=model,
+            tokens=outputs[steps.ids].reshape(-1).tolist(),
+            max_model_len=int(limit.string_value) if limit and limit.string_value else 0,
+        )
+
+    async def Detokenize(self, request: api.DetokenizeRequest, context: Any) -> Any:
+        ids = token_ids(list(request.tokens))
+        model = request.model or DEFAULT_LLM
+        decoder = self._text_steps(model).detokenizer
+        inputs = {
+            # Every id at once, and a finish reason: the whole text, nothing held back.
+            OUTPUT_IDS: ids,
+            "NEW_TOKENS": np.array([len(ids)], dtype=np.int32),
+            "ENGINE_FINISH": np.array([b"length"], dtype=object),
+        }
+        _, outputs = await self._infer(
+            decoder.model, inputs, decoder.version, ["TEXT_DELTA"], context
+        )
+        return api.DetokenizeResponse(model=model, text=_text(outputs.get("TEXT_DELTA")))
+
+    def _text_steps(self, model: str) -> TextSteps:
+        plan = self.v2.ensembles.get(model)
+        if plan is None and not self.v2.router.replicas(model):
+            raise NotFound(f"unknown model '{model}'")
+        if plan is None:
+            raise InvalidArgument(f"model '{model}' is not an LLM pipeline (not an ensemble)")
+        return text_steps(plan)
 
     async def _generate(
         self, model: str, inputs: dict[str, np.ndarray], sampling: api.SamplingParams, context: Any
@@ -262,6 +308,19 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
         serving = all(s.status == api.SERVING_STATUS_SERVING for s in response.stages)
         response.status = api.SERVING_STATUS_SERVING if serving else api.SERVING_STATUS_NOT_SERVING
         return response
+
+
+def _chat(messages: Sequence[api.ChatMessage]) -> np.ndarray:
+    """Chat messages as the pipeline's MESSAGES tensor (one JSON string)."""
+    if not messages:
+        raise InvalidArgument("messages: at least one message is required")
+    for index, message in enumerate(messages):
+        if message.role not in ("system", "user", "assistant"):
+            raise InvalidArgument(
+                f"messages[{index}].role: expected system, user or assistant, got {message.role!r}"
+            )
+    chat = json.dumps([{"role": m.role, "content": m.content} for m in messages])
+    return np.array([chat.encode()], dtype=object)
 
 
 def sampling_json(sampling: api.SamplingParams) -> str:

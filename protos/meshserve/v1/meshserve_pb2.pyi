@@ -264,3 +264,39 @@ class ChatResponse(_message.Message):
     DELTA_FIELD_NUMBER: _ClassVar[int]
     delta: TextDelta
     def __init__(self, delta: _Optional[_Union[TextDelta, _Mapping]] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("model", "prompt", "messages")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("model", "tokens", "max_model_len")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    max_model_len: int
+    def __init__(self, model: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("model", "tokens")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("model", "text")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    text: str
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...

@@ -69,6 +69,16 @@ class MeshServiceStub:
                 request_serializer=meshserve_dot_v1_dot_meshserve__pb2.ChatRequest.SerializeToString,
                 response_deserializer=meshserve_dot_v1_dot_meshserve__pb2.ChatResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/meshserve.v1.MeshService/Tokenize',
+                request_serializer=meshserve_dot_v1_dot_meshserve__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=meshserve_dot_v1_dot_meshserve__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/meshserve.v1.MeshService/Detokenize',
+                request_serializer=meshserve_dot_v1_dot_meshserve__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=meshserve_dot_v1_dot_meshserve__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/meshserve.v1.MeshService/Health',
                 request_serializer=meshserve_dot_v1_dot_meshserve__pb2.HealthRequest.SerializeToString,
@@ -128,6 +138,21 @@ class MeshServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """A prompt or a chat as an LLM pipeline's tokenizer step encodes it (the
+        chat template applies to messages), with the engine's context length.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Token ids back to text, as an LLM pipeline's detokenizer step decodes them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Mesh-wide health: the gateway's view of every stage. Per-process probes
         use grpc.health.v1 instead; this answers "can the mesh serve?".
@@ -173,6 +198,16 @@ def add_MeshServiceServicer_to_server(servicer, server):
                     servicer.Chat,
                     request_deserializer=meshserve_dot_v1_dot_meshserve__pb2.ChatRequest.FromString,
                     response_serializer=meshserve_dot_v1_dot_meshserve__pb2.ChatResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=meshserve_dot_v1_dot_meshserve__pb2.TokenizeRequest.FromString,
+                    response_serializer=meshserve_dot_v1_dot_meshserve__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=meshserve_dot_v1_dot_meshserve__pb2.DetokenizeRequest.FromString,
+                    response_serializer=meshserve_dot_v1_dot_meshserve__pb2.DetokenizeResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -369,6 +404,60 @@ class MeshService:
             '/meshserve.v1.MeshService/Chat',
             meshserve_dot_v1_dot_meshserve__pb2.ChatRequest.SerializeToString,
             meshserve_dot_v1_dot_meshserve__pb2.ChatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.MeshService/Tokenize',
+            meshserve_dot_v1_dot_meshserve__pb2.TokenizeRequest.SerializeToString,
+            meshserve_dot_v1_dot_meshserve__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.MeshService/Detokenize',
+            meshserve_dot_v1_dot_meshserve__pb2.DetokenizeRequest.SerializeToString,
+            meshserve_dot_v1_dot_meshserve__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
