@@ -6,6 +6,7 @@ One listener carries everything:
     /api/v1/...                     -> orchestrator, meshserve.v1 transcoded to JSON
     /v2/...                         -> HTTP adapter (KServe v2 REST, Triton's generate)
     /v1/..., /health                -> HTTP adapter (OpenAI-compatible, as vLLM serves it)
+    /tokenize, /detokenize          -> HTTP adapter (vLLM's tokenizer paths)
     anything else                   -> 404 {"error": ...}
 
 Local replies (401, 404, 413, 429...) are JSON ``{"error": ...}`` for HTTP
@@ -156,6 +157,12 @@ def _routes(settings: EdgeSettings) -> list[dict[str, Any]]:
         # vLLM's health path, for the probes of its users.
         {
             "match": {"path": "/health"},
+            "route": {"cluster": "http_adapter", "timeout": timeout},
+            "typed_per_filter_config": no_transcoder,
+        },
+        # vLLM's tokenizer paths, for the clients of its server.
+        {
+            "match": {"safe_regex": {"regex": "/(de)?tokenize"}},
             "route": {"cluster": "http_adapter", "timeout": timeout},
             "typed_per_filter_config": no_transcoder,
         },

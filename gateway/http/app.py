@@ -81,7 +81,7 @@ def _json(document: Any, status: int = 200) -> web.Response:
 def _error(
     request: web.Request, status: int, message: str, exc: BaseException | None = None
 ) -> web.Response:
-    if request.path.startswith(openai.PREFIX):
+    if openai.speaks_openai(request.path):
         return openai.error_response(status, message, exc)
     return _json({"error": message}, status)
 

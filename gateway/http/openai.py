@@ -6,11 +6,14 @@
     POST /v1/completions      -> MeshService.Generate  (stream of TextDelta)
     POST /v1/embeddings       -> MeshService.Embed
     GET  /v1/models[/{model}] -> MeshService.ListModels (the ready pipelines)
+    POST /tokenize            -> MeshService.Tokenize  (vLLM's paths and bodies)
+    POST /detokenize          -> MeshService.Detokenize
 
 Translation lives in ``openai_documents``; this module is the aiohttp and
 gRPC side. Calls share the KServe v2 client's channels to the orchestrator,
 so they carry the same ``traceparent`` and deadline. Errors are rendered by
-the app's middleware, in OpenAI's shape for paths under ``/v1/``.
+the app's middleware, in OpenAI's shape for paths under ``/v1/`` and for
+``/tokenize`` and ``/detokenize``.
 
 Streams are SSE: ``data: {chunk}`` per text delta, ``data: [DONE]`` last.
 The first delta is awaited before the response starts, so errors the
@@ -35,11 +38,14 @@ from gateway.http.openai_documents import (
     Generation,
     chat_request,
     completion_request,
+    detokenize_request,
     embed_request,
     embeddings_document,
     error_document,
     kind,
     models_document,
+    tokenize_document,
+    tokenize_request,
 )
 from gateway.http.upstream import Upstream
 from meshserve.v1 import meshserve_pb2 as api
@@ -48,7 +54,15 @@ from shared import jsontext
 from shared.errors import InvalidArgument, MeshError, NotFound
 
 PREFIX = "/v1/"
-"""Paths under this prefix answer errors in OpenAI's shape."""
+"""Paths under this prefix answer errors in OpenAI's shape..."""
+VLLM_PATHS = frozenset({"/tokenize", "/detokenize"})
+"""...and so do vLLM's own paths served here."""
+
+
+def speaks_openai(path: str) -> bool:
+    """Whether errors on ``path`` take OpenAI's shape."""
+    return path.startswith(PREFIX) or path in VLLM_PATHS
+
 
 # Bodies up to this size are parsed on the event loop; larger ones in a thread.
 _INLINE_BYTES = 256 * 1024
@@ -207,13 +221,25 @@ class OpenAIApi:
                 return web.json_response(model)
         raise NotFound(f"model '{name}' is not served here")
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """POST /tokenize (vLLM's): the ids an LLM pipeline makes of a prompt or chat."""
+        answer = await self.mesh.call("Tokenize", tokenize_request(await self._body(request)))
+        return web.json_response(tokenize_document(answer))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """POST /detokenize (vLLM's): token ids back to text."""
+        answer = await self.mesh.call("Detokenize", detokenize_request(await self._body(request)))
+        return web.json_response({"prompt": answer.text})
+
     def add_routes(self, router: web.UrlDispatcher) -> None:
-        """Mount the routes under /v1."""
+        """Mount the routes under /v1, and vLLM's /tokenize and /detokenize."""
         router.add_post("/v1/chat/completions", self.chat_completions)
         router.add_post("/v1/completions", self.completions)
         router.add_post("/v1/embeddings", self.embeddings)
         router.add_get("/v1/models", self.models)
         router.add_get("/v1/models/{model}", self.model)
+        router.add_post("/tokenize", self.tokenize)
+        router.add_post("/detokenize", self.detokenize)
 
 
 def error_response(status: int, message: str, exc: BaseException | None = None) -> web.Response:

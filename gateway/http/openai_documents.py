@@ -6,7 +6,8 @@ Requests are checked here so a client gets a 400 that names the field
 (``n`` > 1, frequency/presence penalties, logprobs, tools, ``echo``, ...) are
 refused with ``unsupported_parameter`` unless they carry their neutral value;
 fields that do not change the answer (``user``, ``metadata``, ...) and unknown
-ones are ignored, as vLLM ignores them.
+ones are ignored, as vLLM ignores them. vLLM's ``/tokenize`` and ``/detokenize``
+bodies are read here too.
 
 Nothing here knows aiohttp or gRPC: functions take dicts and protos.
 """
@@ -47,6 +48,17 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
+}
+# vLLM's /tokenize fields the mesh's tokenizer step does not take, and their neutral values.
+_TOKENIZE_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "return_token_strs": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "tools": (None, []),
+    "mm_processor_kwargs": (None, {}),
+    "media_io_kwargs": (None, {}),
 }
 # The OpenAI error "type" for an HTTP status (the status itself comes from shared.errors).
 _ERROR_TYPES = {
@@ -121,8 +133,10 @@ def _strings(body: Mapping[str, Any], name: str) -> list[str]:
     return values
 
 
-def _reject_unsupported(body: Mapping[str, Any]) -> None:
-    for name, neutral in _NEUTRAL.items():
+def _reject_unsupported(
+    body: Mapping[str, Any], table: Mapping[str, tuple[Any, ...]] = _NEUTRAL
+) -> None:
+    for name, neutral in table.items():
         value = body.get(name)
         if not any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral):
             accepted = ", ".join(json.dumps(n) for n in neutral[1:])
@@ -245,6 +259,44 @@ def embed_request(body: Mapping[str, Any]) -> tuple[api.EmbedRequest, str, int |
         raise InvalidParam("encoding_format", f"expected 'float' or 'base64', got {encoding!r}")
     request = api.EmbedRequest(texts=texts, model=_model(body, DEFAULT_EMBEDDER))
     return request, encoding, _integer(body, "dimensions", 1)
+
+
+def tokenize_request(body: Mapping[str, Any]) -> api.TokenizeRequest:
+    """A vLLM ``/tokenize`` body (a ``prompt`` or chat ``messages``) as a TokenizeRequest."""
+    chat = "messages" in body
+    if chat == ("prompt" in body):
+        raise InvalidParam("prompt", "send exactly one of prompt and messages")
+    # The ids are the pipeline's, as it feeds its engine: vLLM's defaults are
+    # what it does; asking for anything else is refused, not ignored.
+    _reject_unsupported(body, {**_TOKENIZE_NEUTRAL, "add_special_tokens": (None, not chat)})
+    model = _model(body, DEFAULT_LLM)
+    if chat:
+        return api.TokenizeRequest(model=model, messages=chat_messages(body["messages"]))
+    prompt = body["prompt"]
+    if not isinstance(prompt, str) or not prompt:
+        raise InvalidParam("prompt", "expected a non-empty string")
+    return api.TokenizeRequest(model=model, prompt=prompt)
+
+
+def detokenize_request(body: Mapping[str, Any]) -> api.DetokenizeRequest:
+    """A vLLM ``/detokenize`` body (``tokens``) as a DetokenizeRequest."""
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _INT32 for t in tokens
+    ):
+        raise InvalidParam("tokens", "expected a list of token ids (integers >= 0)")
+    return api.DetokenizeRequest(model=_model(body, DEFAULT_LLM), tokens=tokens)
+
+
+def tokenize_document(response: api.TokenizeResponse) -> dict[str, Any]:
+    """vLLM's ``/tokenize`` answer."""
+    tokens = list(response.tokens)
+    return {
+        "count": len(tokens),
+        "max_model_len": response.max_model_len,
+        "tokens": tokens,
+        "token_strs": None,
+    }
 
 
 # --- TextDeltas -> OpenAI documents (pure) ----------------------------------------------

@@ -16,10 +16,13 @@ from gateway.http.openai_documents import (
     InvalidParam,
     chat_request,
     completion_request,
+    detokenize_request,
     embed_request,
     embeddings_document,
     error_document,
     models_document,
+    tokenize_document,
+    tokenize_request,
 )
 from meshserve.v1 import meshserve_pb2 as api
 from shared.errors import InvalidArgument, Unavailable
@@ -164,6 +167,47 @@ def test_embed_request() -> None:
             embed_request({"input": bad})
     with pytest.raises(InvalidParam, match="encoding_format"):
         embed_request({"input": "a", "encoding_format": "int8"})
+
+
+def test_tokenize_request_takes_a_prompt_or_a_chat_at_vllms_defaults() -> None:
+    prompt = tokenize_request({"prompt": "hi", "add_special_tokens": True})
+    assert (prompt.model, prompt.prompt, list(prompt.messages)) == ("llm", "hi", [])
+    chat = tokenize_request(
+        {"model": "m", "messages": QUESTION, "add_generation_prompt": True, "tools": None}
+    )
+    assert chat.model == "m" and not chat.prompt
+    assert [(m.role, m.content) for m in chat.messages] == [("user", QUESTION[0]["content"])]
+    refused = [
+        ({"prompt": "hi", "messages": QUESTION}, "prompt"),
+        ({}, "prompt"),
+        ({"prompt": ["hi"]}, "prompt"),
+        ({"prompt": "hi", "return_token_strs": True}, "return_token_strs"),
+        # vLLM adds special tokens to a prompt by default, not to a chat.
+        ({"prompt": "hi", "add_special_tokens": False}, "add_special_tokens"),
+        ({"messages": QUESTION, "add_special_tokens": True}, "add_special_tokens"),
+        ({"messages": QUESTION, "continue_final_message": True}, "continue_final_message"),
+        ({"messages": QUESTION, "chat_template": "{{ x }}"}, "chat_template"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ]
+    for body, param in refused:
+        with pytest.raises(InvalidParam) as raised:
+            tokenize_request(body)
+        assert raised.value.param == param, body
+
+
+def test_detokenize_request_and_the_tokenize_document() -> None:
+    message = detokenize_request({"tokens": [0, 5, 2**31 - 1]})
+    assert message.model == "llm" and list(message.tokens) == [0, 5, 2**31 - 1]
+    for bad in (None, "1 2", [1, -1], [1.5], [True], [2**31]):
+        with pytest.raises(InvalidParam, match="tokens"):
+            detokenize_request({"tokens": bad})
+    answer = api.TokenizeResponse(model="llm", tokens=[7, 8, 9], max_model_len=2048)
+    assert tokenize_document(answer) == {
+        "count": 3,
+        "max_model_len": 2048,
+        "tokens": [7, 8, 9],
+        "token_strs": None,
+    }
 
 
 def _deltas(*pieces: tuple[str, str, int, int]) -> list[api.TextDelta]:
