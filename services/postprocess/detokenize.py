@@ -16,13 +16,15 @@ there). The final response (``ENGINE_FINISH`` non-empty) holds nothing back.
 
 Tensors (``max_batch_size`` 0, or batched with one row per request row):
 inputs ``OUTPUT_IDS`` INT64 [-1], ``NEW_TOKENS`` INT32 [1], ``ENGINE_FINISH``
-BYTES [1] and optional ``SAMPLING`` BYTES [1] (JSON; its ``stop`` strings are
-used, other fields belong to the engine); outputs ``TEXT_DELTA`` BYTES [1] and
-``FINISH_REASON`` BYTES [1]: "stop" when a stop string was reached (the text
-before it is the last delta), else ``ENGINE_FINISH``. A non-empty reason tells
-the orchestrator to end the stream and cancel the generation.
+BYTES [1] and optional ``SAMPLING`` BYTES [1] (JSON; its ``stop`` strings and
+``skip_special_tokens`` are used, other fields belong to the engine); outputs
+``TEXT_DELTA`` BYTES [1] and ``FINISH_REASON`` BYTES [1]: "stop" when a stop
+string was reached (the text before it is the last delta), else
+``ENGINE_FINISH``. A non-empty reason tells the orchestrator to end the stream
+and cancel the generation.
 
-Config parameter: ``skip_special_tokens`` (default true).
+Config parameter: ``skip_special_tokens`` (default true; a request's SAMPLING
+may say otherwise).
 """
 
 from __future__ import annotations
@@ -67,20 +69,29 @@ class IncrementalDecoder:
         self.skip_special_tokens = skip_special_tokens
 
     def delta(
-        self, ids: Sequence[int], new: int, engine_finish: str, stops: Sequence[str] = ()
+        self,
+        ids: Sequence[int],
+        new: int,
+        engine_finish: str,
+        stops: Sequence[str] = (),
+        skip: bool | None = None,
     ) -> tuple[str, str]:
-        """The text the last ``new`` ids add, and the finish reason ("" while running)."""
+        """The text the last ``new`` ids add, and the finish reason ("" while running);
+        ``skip`` overrides skip_special_tokens."""
         final = bool(engine_finish)
-        before, _ = self.visible(ids[: len(ids) - new], stops, final=False)
-        after, stopped = self.visible(ids, stops, final)
+        before, _ = self.visible(ids[: len(ids) - new], stops, final=False, skip=skip)
+        after, stopped = self.visible(ids, stops, final, skip)
         # `after` extends `before` unless decoding is not prefix-stable (rare
         # normalisers): then send what differs after the common part.
         start = len(before) if after.startswith(before) else _common_prefix(before, after)
         return after[start:], STOPPED if stopped else engine_finish
 
-    def visible(self, ids: Sequence[int], stops: Sequence[str], final: bool) -> tuple[str, bool]:
+    def visible(
+        self, ids: Sequence[int], stops: Sequence[str], final: bool, skip: bool | None = None
+    ) -> tuple[str, bool]:
         """The text of ``ids`` that may be shown now, and whether a stop string ended it."""
-        text = self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
+        skip = self.skip_special_tokens if skip is None else skip
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=skip)
         cut = _first_stop(text, stops)
         if cut is not None:
             return text[:cut], True
@@ -113,13 +124,18 @@ def _common_prefix(a: str, b: str) -> int:
     return min(len(a), len(b))
 
 
-def stop_strings(raw: Any, where: str) -> list[str]:
-    """The ``stop`` strings of one SAMPLING element (JSON object); [] when absent."""
-    stop = json_object(raw, where).get("stop", [])
+def row_settings(raw: Any, where: str, skip_special_tokens: bool) -> tuple[list[str], bool]:
+    """The ``stop`` strings of one SAMPLING element (JSON object; [] when absent) and
+    its ``skip_special_tokens`` (vLLM's sampling field; the model's setting when absent)."""
+    settings = json_object(raw, where)
+    stop = settings.get("stop", [])
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise InvalidArgument(f"{where}.stop must be a non-empty string or a list of them")
-    return stops
+    skip = settings.get("skip_special_tokens", skip_special_tokens)
+    if not isinstance(skip, bool):
+        raise InvalidArgument(f"{where}.skip_special_tokens must be true or false")
+    return stops, skip
 
 
 class DetokenizeInstance:
@@ -203,8 +219,9 @@ class DetokenizeInstance:
             engine_finish = bytes(finish).decode("utf-8")
         except UnicodeDecodeError as exc:
             raise InvalidArgument(f"{where}: {ENGINE_FINISH} is not UTF-8") from exc
-        stops = stop_strings(sampling, f"{where}: {SAMPLING}")
-        return self.decoder.delta(ids.tolist(), new, engine_finish, stops)
+        skip = self.decoder.skip_special_tokens
+        stops, skip = row_settings(sampling, f"{where}: {SAMPLING}", skip)
+        return self.decoder.delta(ids.tolist(), new, engine_finish, stops, skip)
 
 
 def _check_tensors(spec: ModelSpec) -> None:

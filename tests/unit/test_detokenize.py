@@ -22,7 +22,7 @@ from models.prepare import prepare_repository
 from services.postprocess.detokenize import (
     DetokenizeInstance,
     IncrementalDecoder,
-    stop_strings,
+    row_settings,
 )
 from shared.backend import InstanceSpec, ModelSpec, config_parameters
 from shared.errors import InvalidArgument
@@ -118,13 +118,18 @@ def test_text_held_back_for_a_stop_string_is_released_when_it_does_not_match(
     assert partial == ("The capital is ", False)
 
 
-def test_stop_strings_come_from_the_sampling_json() -> None:
-    assert stop_strings(b'{"stop": ["a", "bc"], "temperature": 0}', "SAMPLING") == ["a", "bc"]
-    assert stop_strings(b'{"stop": "end"}', "SAMPLING") == ["end"]
-    assert stop_strings(b"{}", "SAMPLING") == []
-    for bad in (b'{"stop": [""]}', b'{"stop": [1]}', b"[]", b"{not json"):
+def test_stops_and_skip_special_tokens_come_from_the_sampling_json() -> None:
+    def settings(raw: bytes) -> tuple[list[str], bool]:
+        return row_settings(raw, "SAMPLING", True)
+
+    assert settings(b'{"stop": ["a", "bc"], "temperature": 0}') == (["a", "bc"], True)
+    assert settings(b'{"stop": "end", "skip_special_tokens": false}') == (["end"], False)
+    assert settings(b"{}") == ([], True)
+    assert row_settings(b"{}", "SAMPLING", False) == ([], False)
+    bad_ones = (b'{"stop": [""]}', b'{"stop": [1]}', b"[]", b"{not json")
+    for bad in (*bad_ones, b'{"skip_special_tokens": "no"}'):
         with pytest.raises(InvalidArgument, match="SAMPLING"):
-            stop_strings(bad, "SAMPLING")
+            settings(bad)
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +163,19 @@ def test_backend_answers_text_delta_and_finish_reason(
     assert running.outputs["FINISH_REASON"].tolist() == [b""]
     assert stopped.outputs["TEXT_DELTA"].tolist() == [b", "]
     assert stopped.outputs["FINISH_REASON"].tolist() == [b"stop"]
+
+
+def test_a_request_may_keep_special_tokens(
+    instance: DetokenizeInstance, tokenizer: Tokenizer
+) -> None:
+    ids = [*tokenizer.encode("Paris.").ids, tokenizer.token_to_id("<|im_end|>")]
+    keep = json.dumps({"skip_special_tokens": False}).encode()
+    (skipped, kept) = instance.execute(
+        [request(ids, len(ids), b"stop"), request(ids, len(ids), b"stop", sampling=keep)]
+    )
+    assert not isinstance(skipped, Exception) and not isinstance(kept, Exception)
+    assert skipped.outputs["TEXT_DELTA"].tolist() == [b"Paris."]
+    assert kept.outputs["TEXT_DELTA"].tolist() == [b"Paris.<|im_end|>"]
 
 
 @pytest.mark.parametrize(
