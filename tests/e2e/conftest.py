@@ -149,3 +149,15 @@ def post(url: str, body: Any) -> tuple[int, Message, bytes]:
             return response.status, response.headers, response.read()
     except urllib.error.HTTPError as err:
         return err.code, err.headers, err.read()
+
+
+def openai_error(url: str, body: Any, status: int) -> dict[str, Any]:
+    """POST ``body``, expecting ``status`` with an error in OpenAI's shape; the error."""
+    got, headers, raw = post(url, body)
+    assert got == status, raw
+    assert headers["Content-Type"].startswith("application/json")
+    error: dict[str, Any] = json.loads(raw)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    return error

@@ -17,7 +17,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.e2e.conftest import aborted_generations, post, streamed_chat, wait_for_abort
+from tests.e2e.conftest import (
+    aborted_generations,
+    openai_error,
+    post,
+    streamed_chat,
+    wait_for_abort,
+)
 from tests.harness import run_client
 from tests.otlp import OtlpReceiver, Span
 
@@ -141,13 +147,6 @@ def test_sixteen_concurrent_streams_each_answer_their_question(base_url: str) ->
     assert len({a["text"] for a in answers}) == 16
 
 
-def _error_body(raw: bytes) -> dict[str, Any]:
-    error: dict[str, Any] = json.loads(raw)["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and error["message"]
-    return error
-
-
 def test_bad_requests_through_the_sdk(base_url: str) -> None:
     results = run_client("openai_errors.py", base_url)
     expected = {
@@ -197,12 +196,7 @@ def test_bad_requests_through_the_sdk(base_url: str) -> None:
 def test_raw_http_errors_are_openai_json(
     base_url: str, path: str, body: Any, status: int, param: str | None
 ) -> None:
-    got, headers, raw = post(f"{base_url}/{path}", body)
-    assert got == status, raw
-    assert headers["Content-Type"].startswith("application/json")
-    error = _error_body(raw)
-    assert error["param"] == param
-    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert openai_error(f"{base_url}/{path}", body, status)["param"] == param
 
 
 def test_vllm_health_path_answers_through_envoy(base_url: str) -> None:
