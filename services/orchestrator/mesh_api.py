@@ -21,11 +21,11 @@ from meshserve.v1 import meshserve_pb2_grpc as api_grpc
 from services.orchestrator.servicer import OrchestratorServicer
 from services.orchestrator.tokenization import (
     MESSAGES,
-    OUTPUT_IDS,
     PROMPT,
+    TEXT_DELTA,
     TextSteps,
+    decoder_inputs,
     text_steps,
-    token_ids,
 )
 from shared.errors import InvalidArgument, MeshError, NotFound
 from shared.tensors import DATATYPES, decode_outputs, encode_inputs
@@ -256,19 +256,13 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
         )
 
     async def Detokenize(self, request: api.DetokenizeRequest, context: Any) -> Any:
-        ids = token_ids(list(request.tokens))
         model = request.model or DEFAULT_LLM
         decoder = self._text_steps(model).detokenizer
-        inputs = {
-            # Every id at once, and a finish reason: the whole text, nothing held back.
-            OUTPUT_IDS: ids,
-            "NEW_TOKENS": np.array([len(ids)], dtype=np.int32),
-            "ENGINE_FINISH": np.array([b"length"], dtype=object),
-        }
+        inputs = decoder_inputs(decoder, list(request.tokens))
         _, outputs = await self._infer(
-            decoder.model, inputs, decoder.version, ["TEXT_DELTA"], context
+            decoder.model, inputs, decoder.version, [TEXT_DELTA], context
         )
-        return api.DetokenizeResponse(model=model, text=_text(outputs.get("TEXT_DELTA")))
+        return api.DetokenizeResponse(model=model, text=_text(outputs.get(TEXT_DELTA)))
 
     def _text_steps(self, model: str) -> TextSteps:
         plan = self.v2.ensembles.get(model)

@@ -27,8 +27,12 @@ PROMPT = "PROMPT"
 """The pipeline input a text prompt goes to (as Generate sends it)."""
 MESSAGES = "MESSAGES"
 """The pipeline input a JSON chat goes to (as Chat sends it)."""
+# The detokenize backend's tensors.
 OUTPUT_IDS = "OUTPUT_IDS"
-"""The detokenize backend's ids input (every id so far)."""
+NEW_TOKENS = "NEW_TOKENS"
+ENGINE_FINISH = "ENGINE_FINISH"
+SAMPLING = "SAMPLING"
+TEXT_DELTA = "TEXT_DELTA"
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,22 @@ def text_steps(plan: EnsemblePlan) -> TextSteps:
             f"model '{plan.name}': no step after the engine reads {OUTPUT_IDS} (a detokenizer)"
         )
     return TextSteps(step, ids, engine, detokenizer)
+
+
+def decoder_inputs(decoder: Step, tokens: list[int]) -> dict[str, np.ndarray]:
+    """``tokens`` as one request to the detokenizer step that answers their whole text:
+    every id new, a finish reason (nothing held back), and special tokens kept, as
+    vLLM's /detokenize keeps them (where the step takes SAMPLING; else the model's
+    own setting applies)."""
+    ids = token_ids(tokens)
+    inputs = {
+        OUTPUT_IDS: ids,
+        NEW_TOKENS: np.array([len(ids)], dtype=np.int32),
+        ENGINE_FINISH: np.array([b"length"], dtype=object),
+    }
+    if SAMPLING in decoder.input_map:
+        inputs[SAMPLING] = np.array([b'{"skip_special_tokens": false}'], dtype=object)
+    return inputs
 
 
 def token_ids(tokens: list[int]) -> np.ndarray:

@@ -18,7 +18,7 @@ import pytest
 
 from meshserve.v1 import meshserve_pb2 as api
 from meshserve.v1 import meshserve_pb2_grpc as api_grpc
-from tests.e2e.conftest import post
+from tests.e2e.conftest import openai_error, post
 
 pytestmark = pytest.mark.e2e
 
@@ -86,6 +86,10 @@ def test_detokenize_gives_back_the_text(edge: str) -> None:
     assert _ok(f"http://{edge}/detokenize", {"tokens": accented})["prompt"] == (
         "Crème brûlée à Zürich"
     )
+    # Special tokens stay, as vLLM's /detokenize keeps them (generation skips them).
+    chat = _ok(f"http://{edge}/tokenize", {"messages": CHAT})["tokens"]
+    text = _ok(f"http://{edge}/detokenize", {"tokens": chat})["prompt"]
+    assert text.startswith("<|im_start|>system\nAnswer in one word.<|im_end|>"), text
 
 
 @pytest.mark.parametrize(
@@ -108,14 +112,9 @@ def test_detokenize_gives_back_the_text(edge: str) -> None:
 def test_bad_requests_are_openai_errors(
     edge: str, path: str, body: Any, status: int, param: str | None
 ) -> None:
-    got, headers, raw = post(f"http://{edge}/{path}", body)
-    assert got == status, raw
-    assert headers["Content-Type"].startswith("application/json")
-    error = json.loads(raw)["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    error = openai_error(f"http://{edge}/{path}", body, status)
     if param is not None:
         assert error["param"] == param, error
-    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
 
 
 def test_mesh_api_over_grpc_and_json(edge: str) -> None:

@@ -8,7 +8,13 @@ from google.protobuf import text_format
 
 from inference import model_config_pb2 as mc
 from services.orchestrator.ensemble import EnsemblePlan, ModelIO
-from services.orchestrator.tokenization import MESSAGES, PROMPT, text_steps, token_ids
+from services.orchestrator.tokenization import (
+    MESSAGES,
+    PROMPT,
+    decoder_inputs,
+    text_steps,
+    token_ids,
+)
 from shared.errors import InvalidArgument
 
 MODELS = {
@@ -102,3 +108,13 @@ def test_token_ids_name_the_bad_one() -> None:
         token_ids([3, 0, -7])
     with pytest.raises(InvalidArgument, match="at least one"):
         token_ids([])
+
+
+def test_decoder_inputs_ask_for_the_whole_text_with_special_tokens() -> None:
+    steps = text_steps(_llm())
+    inputs = decoder_inputs(steps.detokenizer, [5, 6])
+    assert inputs["OUTPUT_IDS"].tolist() == [5, 6] and inputs["NEW_TOKENS"].tolist() == [2]
+    assert inputs["ENGINE_FINISH"].tolist() == [b"length"]
+    assert "SAMPLING" not in inputs  # this pipeline's detokenizer step takes none
+    with pytest.raises(InvalidArgument, match=r"tokens\[0\]"):
+        decoder_inputs(steps.detokenizer, [-5])
