@@ -249,10 +249,12 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
             pb.ModelConfigRequest(name=steps.engine.model, version=steps.engine.version), context
         )
         limit = engine.config.parameters.get("max_model_len")
+        text_limit = limit.string_value.strip() if limit is not None else ""
         return api.TokenizeResponse(
             model=model,
             tokens=outputs[steps.ids].reshape(-1).tolist(),
-            max_model_len=int(limit.string_value) if limit and limit.string_value else 0,
+            # The engine checked it when it loaded; anything else is "not set" here.
+            max_model_len=int(text_limit) if text_limit.isdigit() else 0,
         )
 
     async def Detokenize(self, request: api.DetokenizeRequest, context: Any) -> Any:
