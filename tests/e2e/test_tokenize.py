@@ -96,7 +96,12 @@ def test_detokenize_gives_back_the_text(edge: str) -> None:
     ("path", "body", "status", "param"),
     [
         ("tokenize", {"prompt": PROMPT, "return_token_strs": True}, 400, "return_token_strs"),
-        ("tokenize", {"messages": CHAT, "add_generation_prompt": False}, 400, None),
+        (
+            "tokenize",
+            {"messages": CHAT, "add_generation_prompt": False},
+            400,
+            "add_generation_prompt",
+        ),
         ("tokenize", {"prompt": PROMPT, "messages": CHAT}, 400, "prompt"),
         ("tokenize", {"prompt": ""}, 400, "prompt"),
         ("tokenize", {"messages": [{"role": "robot", "content": "hi"}]}, 400, None),
