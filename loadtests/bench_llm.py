@@ -215,12 +215,8 @@ class EngineClocks:
     core_count: float = 0.0
 
     def __sub__(self, other: EngineClocks) -> EngineClocks:
-        return EngineClocks(
-            *(mine - theirs for mine, theirs in zip(self.values(), other.values(), strict=True))
-        )
-
-    def values(self) -> tuple[float, float, float, float]:
-        return (self.ttft_s, self.ttft_count, self.core_s, self.core_count)
+        pairs = zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)
+        return EngineClocks(*(mine - theirs for mine, theirs in pairs))
 
 
 class EngineTtft:
