@@ -6,10 +6,11 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.harness import ServiceProcess
+from tests.harness import RUNNING, ServiceProcess
 from tests.otlp import OtlpReceiver
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -63,3 +64,18 @@ def receiver() -> Iterator[OtlpReceiver]:
     otlp = OtlpReceiver()
     yield otlp
     otlp.stop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A failed test's report ends with the logs of the services still running.
+
+    A hang or an error on the client side often has its cause on the server's.
+    """
+    report = yield
+    if report.failed:
+        for pid, service in list(RUNNING.items()):
+            report.sections.append(
+                (f"{service.module} (pid {pid}), last log lines", service.log_tail())
+            )
+    return report

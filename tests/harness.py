@@ -37,6 +37,9 @@ atexit.register(shutil.rmtree, _LOGS, ignore_errors=True)
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 """Prometheus samples: (metric name, label pairs) -> value."""
 
+RUNNING: dict[int, ServiceProcess] = {}
+"""Services started and not yet stopped, by PID (a failed test's report shows their logs)."""
+
 
 class ServiceProcess:
     """One service process started by a test; stopped (by PID) at the end."""
@@ -48,6 +51,7 @@ class ServiceProcess:
         env: dict[str, str] | None = None,
         timeout: float = 120.0,
     ) -> None:
+        self.module = module
         self.log_path = Path(tempfile.mkstemp(prefix=f"{module}-", suffix=".log", dir=_LOGS)[1])
         self._log = self.log_path.open("w")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -59,6 +63,7 @@ class ServiceProcess:
             stderr=self._log,
             text=True,
         )
+        RUNNING[self.proc.pid] = self
         self.info = self._wait_ready(timeout)
         self.address: str = self.info["grpc"]
         # Keep draining stdout so the child never blocks on a full pipe.
@@ -92,6 +97,10 @@ class ServiceProcess:
             self._log.flush()
         return self.log_path.read_text()
 
+    def log_tail(self, lines: int = 60) -> str:
+        """The last ``lines`` lines of the service's stderr."""
+        return "\n".join(self.logs().splitlines()[-lines:])
+
     def metrics(self) -> Samples:
         """Scrape the service's /metrics endpoint."""
         url = f"http://127.0.0.1:{self.info['metrics_port']}/metrics"
@@ -119,6 +128,7 @@ class ServiceProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        RUNNING.pop(self.proc.pid, None)
         self._log.close()
         return self.proc.returncode
 
@@ -145,17 +155,34 @@ def orchestrator_with_stage(repository: Path, *args: str) -> Iterator[ServicePro
         stage.stop()
 
 
-def run_client(script: str, *args: Any, timeout: float = 300.0) -> Any:
-    """Run ``tests/clients/<script>`` in a child process; returns its JSON stdout."""
+def run_client(script: str, *args: Any, timeout: float = 240.0) -> Any:
+    """Run ``tests/clients/<script>`` in a child process; returns its JSON stdout.
+
+    ``timeout`` stays under the tests' own (pytest-timeout's 300 s), so a client
+    that hangs is ended here and what it printed reaches the failure report.
+    """
     command = [sys.executable, str(CLIENTS / script), *[json.dumps(a) for a in args]]
-    done = subprocess.run(  # noqa: PLW1510 - the exit code is checked below
-        command,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    try:
+        done = subprocess.run(  # noqa: PLW1510 - the exit code is checked below
+            command,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    except subprocess.TimeoutExpired as exc:
+        printed = [_text(exc.stdout), _text(exc.stderr)]
+        raise AssertionError(
+            f"{script} did not finish in {timeout:.0f}s; it printed:\n" + "\n".join(printed)
+        ) from None
     if done.returncode != 0:
         raise AssertionError(f"{script} failed ({done.returncode}):\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _text(output: str | bytes | None) -> str:
+    # TimeoutExpired carries what was read so far, as bytes even in text mode.
+    if isinstance(output, bytes):
+        return output.decode(errors="replace")
+    return output or ""
