@@ -43,7 +43,12 @@ def stream_infer():
     results = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     client.async_stream_infer(model, make_inputs(grpcclient), model_version=version)
-    result, error = results.get(timeout=120)
+    try:
+        result, error = results.get(timeout=120)
+    except queue.Empty:
+        # Cancel, do not wait: the stream's thread would wait for the server for good.
+        client.stop_stream(cancel_requests=True)
+        raise
     client.stop_stream()
     if error is not None:
         raise error
