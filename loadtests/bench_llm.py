@@ -1,7 +1,8 @@
 """Chat streams side by side: the mesh vs vLLM's own OpenAI server vs transformers.
 
     python loadtests/bench_llm.py [--streams 16] [--max-tokens 64] [--rounds 3]
-                                  [--probes 30] [--skip "vllm server,transformers"] [--quick]
+                                  [--probes 30] [--probe-tokens 16]
+                                  [--skip "vllm server,transformers"] [--quick]
 
 One workload (``--streams`` concurrent chat requests, each asking SmolLM2-135M-
 Instruct for a short story, greedy, ``--max-tokens`` tokens at most) sent to:
@@ -27,11 +28,15 @@ the time from sending a request to its first non-empty text; CPU is the whole
 machine's busy time over the round per token (server, client and all). Each
 target's fastest round (by tokens/s) is reported; TTFT percentiles pool every
 measured round. Under 16 streams TTFT is mostly the engine's prefill queue, so
-``--probes`` lone one-token requests per target measure the time the path itself
-adds: the difference of p50s, and the median of differences between probes sent
-back to back with the same prompt (the engine's time for a prompt moves by tens
-of ms from probe to probe; pairing takes the prompt's share out); each round of
-probes starts at the next target, so no target always follows the same one. Around
+``--probes`` lone requests per target (``--probe-tokens`` tokens each, timed to
+their first) measure the time the path itself adds: the difference of p50s, and
+the median of differences between probes sent back to back with the same
+prompt (the engine's time for a prompt moves by tens of ms from probe to probe;
+pairing takes the prompt's share out); each round of probes starts at the next
+target, so no target always follows the same one. A probe asks for 16 tokens
+by default, as a chat goes on generating while its first token travels out (a
+one-token probe's first token is also its last, and every process on the way
+ends its request meanwhile instead); ``--probe-tokens 1`` times that. Around
 each probe the bench also reads the engine's own clocks from its /metrics (the
 mesh's inference service relays its engine's ``vllm:*`` series, vLLM's server
 shows its own), so the time outside the engine is the serving path alone, free
@@ -280,7 +285,15 @@ class OpenAiChat:
             "stream_options": {"include_usage": True},
         }
         clock, tokens, prompt_tokens = StreamClock(), 0, 0
-        async with self._session.post(self._url, json=body) as reply:
+        try:
+            reply = await self._session.post(self._url, json=body)
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+            # A keep-alive connection its server closed just now (uvicorn, behind
+            # vLLM's server, closes them after 5 s idle, the gap between a target's
+            # lone probes): the request never left; send it again on a new one.
+            clock = StreamClock()
+            reply = await self._session.post(self._url, json=body)
+        async with reply:
             if reply.status != 200:
                 raise RuntimeError(f"{self._url}: HTTP {reply.status}: {await reply.text()}")
             async for raw in reply.content:  # one SSE line at a time
@@ -459,6 +472,9 @@ class Settings:
     max_tokens: int
     rounds: int
     probes: int
+    probe_tokens: int
+    """max_tokens of a lone probe: more than one, like a chat, keeps the engine
+    stepping while the first token is on its way out."""
     skip: frozenset[str]
 
 
@@ -469,7 +485,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per stream at most")
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds per target")
     parser.add_argument(
-        "--probes", type=int, default=30, help="lone one-token requests per target (TTFT alone)"
+        "--probes", type=int, default=30, help="lone requests per target (TTFT alone)"
+    )
+    parser.add_argument(
+        "--probe-tokens", type=int, default=16, help="max_tokens of each lone request"
     )
     parser.add_argument(
         "--skip", default="", help=f"comma-separated targets to leave out, of: {', '.join(TARGETS)}"
@@ -482,10 +501,20 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         parser.error(f"--skip: unknown target(s) {sorted(unknown)}; expected {list(TARGETS)}")
     if args.quick:
         args.streams, args.max_tokens, args.rounds, args.probes = 4, 16, 1, 3
-    if min(args.streams, args.max_tokens, args.rounds) < 1 or args.probes < 0:
-        parser.error("--streams, --max-tokens and --rounds must be at least 1, --probes 0 or more")
-    repository = args.repository.expanduser()
-    return Settings(repository, args.streams, args.max_tokens, args.rounds, args.probes, skip)
+    if min(args.streams, args.max_tokens, args.rounds, args.probe_tokens) < 1 or args.probes < 0:
+        parser.error(
+            "--streams, --max-tokens, --rounds and --probe-tokens must be at least 1, "
+            "--probes 0 or more"
+        )
+    return Settings(
+        args.repository.expanduser(),
+        args.streams,
+        args.max_tokens,
+        args.rounds,
+        args.probes,
+        args.probe_tokens,
+        skip,
+    )
 
 
 Runner = Callable[[Sequence[str], int], Awaitable[RoundResult]]
@@ -510,7 +539,7 @@ async def measure(
     settings: Settings, mesh: MeshInfo, vllm_url: str | None
 ) -> tuple[list[RoundResult], list[RoundResult]]:
     """Warm every target once, then ``rounds`` interleaved measured rounds of the
-    whole batch, then ``probes`` lone one-token requests per target (TTFT alone,
+    whole batch, then ``probes`` lone requests per target (TTFT alone,
     with the engine's own share)."""
     edge = mesh.edge
     texts = prompts(settings.streams)
@@ -553,7 +582,10 @@ async def measure(
             turn = index % len(order)
             for label in order[turn:] + order[:turn]:
                 text = texts[index % len(texts)]
-                probes.append(await _timed(runners[label], [text], 1, engines.get(label)))
+                probe = await _timed(
+                    runners[label], [text], settings.probe_tokens, engines.get(label)
+                )
+                probes.append(probe)
     finally:
         for client in clients.values():
             await client.close()
@@ -701,7 +733,8 @@ def report(rounds: Sequence[RoundResult], probes: Sequence[RoundResult], setting
             "+core ms",
         ]
         text += (
-            f"\n\none request at a time, 1 token (TTFT without queueing); paired: the median"
+            f"\n\none request at a time, {settings.probe_tokens} token(s) at most (TTFT without"
+            f" queueing); paired: the median"
             f" over probes of (target - {BASELINE}) on the same prompt, back to back;"
             f" outside engine: TTFT minus the engine's own (vllm:time_to_first_token_seconds),"
             f" p50; outside core: TTFT minus the engine core's queue + prefill time, p50\n"
