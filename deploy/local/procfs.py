@@ -38,6 +38,14 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
+def parent_pid(pid: int) -> int | None:
+    """The PID of ``pid``'s parent; None once it is gone."""
+    try:
+        return int(_stat_fields(pid)[1])
+    except OSError:
+        return None
+
+
 def child_pids(pid: int) -> list[int]:
     """Direct children of ``pid``, from /proc/<pid>/task/*/children."""
     children: list[int] = []

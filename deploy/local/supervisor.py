@@ -298,6 +298,11 @@ async def _keep_placed(processes: Sequence[ManagedProcess]) -> None:
             if full or placer.busy_changed():
                 pids = [p.proc.pid for p in processes if p.proc and p.proc.returncode is None]
                 placement = placer.place(pids)
+                if placement.niced:
+                    log(
+                        f"CPU placement: {placement.niced} thread(s) of the engine's driver "
+                        "(it polls while its worker computes) now yield to the mesh"
+                    )
                 if placement.service_cores != last:
                     last = placement.service_cores
                     log(_describe(placement))

@@ -1,4 +1,5 @@
-"""In the default mesh, vLLM's CPU worker has its cores to itself while it generates."""
+"""In the default mesh, vLLM's CPU worker has its cores to itself while it generates,
+and the engine core driving it gives way to the mesh."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from deploy.local.procfs import descendants
+from deploy.local.placement import DRIVER_NICE
+from deploy.local.procfs import descendants, parent_pid
 from tests.e2e.conftest import streamed_chat
 
 pytestmark = pytest.mark.e2e
@@ -100,3 +102,32 @@ def test_the_mesh_keeps_off_a_generating_vllm_workers_cores(mesh: dict[str, Any]
         chat.join(150)
     # Idle again: the mesh gets every core back.
     assert _wait_for(lambda: not placed(), 15)
+
+
+def _nice_values(pid: int) -> set[int]:
+    values = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            values.add(os.getpriority(os.PRIO_PROCESS, int(task.name)))
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return values
+
+
+@pytest.mark.skipif(len(ALL_CORES) < 2, reason="placement needs 2 cores or more")
+def test_vllms_engine_core_yields_to_the_mesh(mesh: dict[str, Any]) -> None:
+    """It polls while its worker computes; lowered, it leaves the core to the hops."""
+    inference = mesh["processes"]["inference-0"]["pid"]
+    workers = [pid for pid in descendants(inference) if "Worker" in _comm(pid)]
+    assert workers, "no vLLM worker process under the inference service"
+    if frozenset().union(*_threads(workers[0]).values()) == ALL_CORES:
+        pytest.skip("this vLLM build binds no cores (a GPU build)")
+    driver = parent_pid(workers[0])
+    assert driver is not None and "EngineCor" in _comm(driver), _comm(driver or 0)
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    lowered = max(ours, DRIVER_NICE)
+    # The supervisor's full pass (every few seconds) finds it.
+    assert _wait_for(lambda: _nice_values(driver) == {lowered}, 15), _nice_values(driver)
+    assert _nice_values(workers[0]) == {ours}
+    assert _nice_values(inference) == {ours}
+    assert _nice_values(mesh["processes"]["orchestrator"]["pid"]) == {ours}

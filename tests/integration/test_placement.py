@@ -1,5 +1,6 @@
 """CPU placement: while an OpenMP-bound worker is busy and so is the rest of the
-mesh, the mesh's threads leave the worker's cores."""
+mesh, the mesh's threads leave the worker's cores; the process driving the
+worker yields to the mesh."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.local.placement import BusyRule, CorePlacer
+from deploy.local.placement import DRIVER_NICE, BusyRule, CorePlacer
 
 ALL_CORES = frozenset(os.sched_getaffinity(0))
 pytestmark = pytest.mark.skipif(len(ALL_CORES) < 2, reason="placement needs 2 cores or more")
@@ -37,6 +38,22 @@ print("ready", flush=True)
 while True:
     if not state["busy"]:
         time.sleep(0.01)
+"""
+
+
+# A stand-in for vLLM's engine core: starts the worker (argv[1]) bound to one
+# core (argv[2]) as its child, prints its PID, and ends it when stdin closes.
+DRIVER = """
+import os, subprocess, sys
+core = sys.argv[2]
+env = {**os.environ, "OMP_PLACES": "{" + core + "}"}
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], core], env=env,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+child.stdout.readline()
+print(child.pid, flush=True)
+sys.stdin.read()
+child.kill()
+child.wait()
 """
 
 
@@ -161,3 +178,40 @@ def test_a_busy_process_that_binds_nothing_moves_nothing(workers: list[Worker]) 
     placer.place([asked.pid, every_core.pid, plain.pid])
     assert look_again(placer, [asked.pid, every_core.pid, plain.pid]) == (frozenset(), 0)
     assert thread_cores(plain.pid) == {ALL_CORES}
+
+
+def nice_values(pid: int) -> set[int]:
+    return {
+        os.getpriority(os.PRIO_PROCESS, int(task.name))
+        for task in Path(f"/proc/{pid}/task").iterdir()
+    }
+
+
+def test_the_process_driving_a_bound_worker_yields_to_the_mesh(workers: list[Worker]) -> None:
+    """vLLM's engine core polls while its worker computes; lowered, it gives way."""
+    engine_core = min(ALL_CORES)
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, WORKER, str(engine_core)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert driver.stdout is not None
+        worker = int(driver.stdout.readline())
+        plain = Worker(-1, {})
+        workers.append(plain)
+        placer = CorePlacer(ALL_CORES, RULE)
+        placement = placer.place([driver.pid, plain.pid])
+        assert placement.engine_cores == {engine_core}
+        if ours < DRIVER_NICE:
+            assert placement.niced == len(nice_values(driver.pid)) >= 1
+        assert nice_values(driver.pid) == {max(ours, DRIVER_NICE)}
+        assert nice_values(worker) == {ours}  # the worker itself keeps its priority
+        assert nice_values(plain.pid) == {ours}
+        assert placer.place([driver.pid, plain.pid]).niced == 0  # once is enough
+    finally:
+        assert driver.stdin is not None
+        driver.stdin.close()  # the driver ends its worker, then itself
+        driver.wait(timeout=30)
