@@ -76,6 +76,7 @@ class ServiceProcess:
             line = self.proc.stdout.readline()
             if not line:
                 if self.proc.poll() is not None:
+                    RUNNING.pop(self.proc.pid, None)
                     raise RuntimeError(
                         f"service exited with {self.proc.returncode}:\n{self.logs()}"
                     )

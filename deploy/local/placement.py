@@ -116,7 +116,8 @@ class CorePlacer:
     def place(self, roots: Iterable[int]) -> Placement:
         """Find the bound processes under ``roots``; keep every other thread off their
         cores while they are busy, and let it use every core again once they are idle."""
-        processes = {pid: start_ticks(pid) for root in roots for pid in descendants(root)}
+        services = set(roots)
+        processes = {pid: start_ticks(pid) for root in services for pid in descendants(root)}
         self._moved &= set(processes.items())
         bound = {
             pid: cores
@@ -129,7 +130,8 @@ class CorePlacer:
         niced = sum(
             _lower_priority(driver)
             for pid in bound
-            if (driver := parent_pid(pid)) in processes and driver not in bound
+            # Never a service itself (an engine run in the service's own process).
+            if (driver := parent_pid(pid)) in processes and driver not in bound.keys() | services
         )
         serving = sorted(processes.keys() - bound.keys())
         if bound.keys() != self._bound.keys() or serving != self._serving:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from deploy.local.placement import DRIVER_NICE, BusyRule, CorePlacer
+from deploy.local.procfs import parent_pid
 
 ALL_CORES = frozenset(os.sched_getaffinity(0))
 pytestmark = pytest.mark.skipif(len(ALL_CORES) < 2, reason="placement needs 2 cores or more")
@@ -41,6 +42,8 @@ while True:
 """
 
 
+# A stand-in for the inference service: runs the command in argv[1:] as its child.
+SERVICE = "import subprocess, sys; subprocess.run(sys.argv[1:])"
 # A stand-in for vLLM's engine core: starts the worker (argv[1]) bound to one
 # core (argv[2]) as its child, prints its PID, and ends it when stdin closes.
 DRIVER = """
@@ -191,27 +194,56 @@ def test_the_process_driving_a_bound_worker_yields_to_the_mesh(workers: list[Wor
     """vLLM's engine core polls while its worker computes; lowered, it gives way."""
     engine_core = min(ALL_CORES)
     ours = os.getpriority(os.PRIO_PROCESS, 0)
-    driver = subprocess.Popen(
+    service = subprocess.Popen(
+        [sys.executable, "-c", SERVICE, sys.executable, "-c", DRIVER, WORKER, str(engine_core)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert service.stdout is not None
+        worker = int(service.stdout.readline())
+        driver = parent_pid(worker)
+        assert driver is not None and driver != service.pid
+        plain = Worker(-1, {})
+        workers.append(plain)
+        roots = [service.pid, plain.pid]
+        placer = CorePlacer(ALL_CORES, RULE)
+        placement = placer.place(roots)
+        assert placement.engine_cores == {engine_core}
+        if ours < DRIVER_NICE:
+            assert placement.niced == len(nice_values(driver)) >= 1
+        assert nice_values(driver) == {max(ours, DRIVER_NICE)}
+        assert nice_values(worker) == {ours}  # the worker itself keeps its priority
+        assert nice_values(service.pid) == {ours}  # and so does the service above
+        assert nice_values(plain.pid) == {ours}
+        assert placer.place(roots).niced == 0  # once is enough
+    finally:
+        assert service.stdin is not None
+        service.stdin.close()  # the driver ends its worker, then itself; then the service
+        service.wait(timeout=30)
+
+
+def test_a_service_that_runs_its_engine_itself_keeps_its_priority() -> None:
+    """Where the bound worker's parent is a service of the mesh (an engine run in
+    the service's own process), lowering it would slow the service's own work."""
+    engine_core = min(ALL_CORES)
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    service = subprocess.Popen(
         [sys.executable, "-c", DRIVER, WORKER, str(engine_core)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
-        assert driver.stdout is not None
-        worker = int(driver.stdout.readline())
-        plain = Worker(-1, {})
-        workers.append(plain)
-        placer = CorePlacer(ALL_CORES, RULE)
-        placement = placer.place([driver.pid, plain.pid])
+        assert service.stdout is not None
+        worker = int(service.stdout.readline())
+        assert parent_pid(worker) == service.pid
+        placement = CorePlacer(ALL_CORES, RULE).place([service.pid])
         assert placement.engine_cores == {engine_core}
-        if ours < DRIVER_NICE:
-            assert placement.niced == len(nice_values(driver.pid)) >= 1
-        assert nice_values(driver.pid) == {max(ours, DRIVER_NICE)}
-        assert nice_values(worker) == {ours}  # the worker itself keeps its priority
-        assert nice_values(plain.pid) == {ours}
-        assert placer.place([driver.pid, plain.pid]).niced == 0  # once is enough
+        assert placement.niced == 0
+        assert nice_values(service.pid) == {ours}
     finally:
-        assert driver.stdin is not None
-        driver.stdin.close()  # the driver ends its worker, then itself
-        driver.wait(timeout=30)
+        assert service.stdin is not None
+        service.stdin.close()
+        service.wait(timeout=30)
