@@ -35,9 +35,9 @@ every hop of a token on its way through the mesh then waits for a slice of a
 core beside it. A pass therefore lowers that driver's priority
 (``DRIVER_NICE``): its polling gives way at once to any thread of the mesh
 with work to do, and it has the core whenever they have none. On a 2-core
-host, lone 16-token chats then spent 14.8 ms outside the engine core through
-Envoy's gRPC port and 18.4 ms through the OpenAI API, against 19.3 and 23.3 ms
-before (``loadtests/bench_llm.py``, 30 probes each).
+host, lone 16-token chats then spent 14.8 / 16.8 ms (two runs) outside the
+engine core through Envoy's gRPC port and 18.4 / 21.2 ms through the OpenAI
+API, against 19.3 and 23.3 ms before (``loadtests/bench_llm.py``, 30 probes).
 """
 
 from __future__ import annotations
