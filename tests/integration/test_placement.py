@@ -4,6 +4,7 @@ worker yields to the mesh."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -190,24 +191,36 @@ def nice_values(pid: int) -> set[int]:
     }
 
 
-def test_the_process_driving_a_bound_worker_yields_to_the_mesh(workers: list[Worker]) -> None:
-    """vLLM's engine core polls while its worker computes; lowered, it gives way."""
-    engine_core = min(ALL_CORES)
-    ours = os.getpriority(os.PRIO_PROCESS, 0)
-    service = subprocess.Popen(
-        [sys.executable, "-c", SERVICE, sys.executable, "-c", DRIVER, WORKER, str(engine_core)],
+@contextlib.contextmanager
+def bound_worker_below(*command: str) -> Iterator[tuple[int, int]]:
+    """Start ``command``, which ends in DRIVER; yields its PID and the bound worker's.
+    On exit stdin closes: the driver ends its worker, then itself (and so the rest)."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", *command],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
-        assert service.stdout is not None
-        worker = int(service.stdout.readline())
+        assert process.stdout is not None
+        yield process.pid, int(process.stdout.readline())
+    finally:
+        assert process.stdin is not None
+        process.stdin.close()
+        process.wait(timeout=30)
+
+
+def test_the_process_driving_a_bound_worker_yields_to_the_mesh(workers: list[Worker]) -> None:
+    """vLLM's engine core polls while its worker computes; lowered, it gives way."""
+    engine_core = min(ALL_CORES)
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    driving = (SERVICE, sys.executable, "-c", DRIVER, WORKER, str(engine_core))
+    with bound_worker_below(*driving) as (service, worker):
         driver = parent_pid(worker)
-        assert driver is not None and driver != service.pid
+        assert driver is not None and driver != service
         plain = Worker(-1, {})
         workers.append(plain)
-        roots = [service.pid, plain.pid]
+        roots = [service, plain.pid]
         placer = CorePlacer(ALL_CORES, RULE)
         placement = placer.place(roots)
         assert placement.engine_cores == {engine_core}
@@ -215,13 +228,9 @@ def test_the_process_driving_a_bound_worker_yields_to_the_mesh(workers: list[Wor
             assert placement.niced == len(nice_values(driver)) >= 1
         assert nice_values(driver) == {max(ours, DRIVER_NICE)}
         assert nice_values(worker) == {ours}  # the worker itself keeps its priority
-        assert nice_values(service.pid) == {ours}  # and so does the service above
+        assert nice_values(service) == {ours}  # and so does the service above
         assert nice_values(plain.pid) == {ours}
         assert placer.place(roots).niced == 0  # once is enough
-    finally:
-        assert service.stdin is not None
-        service.stdin.close()  # the driver ends its worker, then itself; then the service
-        service.wait(timeout=30)
 
 
 def test_a_service_that_runs_its_engine_itself_keeps_its_priority() -> None:
@@ -229,21 +238,9 @@ def test_a_service_that_runs_its_engine_itself_keeps_its_priority() -> None:
     the service's own process), lowering it would slow the service's own work."""
     engine_core = min(ALL_CORES)
     ours = os.getpriority(os.PRIO_PROCESS, 0)
-    service = subprocess.Popen(
-        [sys.executable, "-c", DRIVER, WORKER, str(engine_core)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert service.stdout is not None
-        worker = int(service.stdout.readline())
-        assert parent_pid(worker) == service.pid
-        placement = CorePlacer(ALL_CORES, RULE).place([service.pid])
+    with bound_worker_below(DRIVER, WORKER, str(engine_core)) as (service, worker):
+        assert parent_pid(worker) == service
+        placement = CorePlacer(ALL_CORES, RULE).place([service])
         assert placement.engine_cores == {engine_core}
         assert placement.niced == 0
-        assert nice_values(service.pid) == {ours}
-    finally:
-        assert service.stdin is not None
-        service.stdin.close()
-        service.wait(timeout=30)
+        assert nice_values(service) == {ours}
