@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import RUNNING, ServiceProcess
+from tests.harness import RUNNING, ServiceProcess, log_tail
 from tests.otlp import OtlpReceiver
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -74,8 +74,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     """
     report = yield
     if report.failed:
-        for pid, service in list(RUNNING.items()):
-            report.sections.append(
-                (f"{service.module} (pid {pid}), last log lines", service.log_tail())
-            )
+        for pid, (module, log) in list(RUNNING.items()):
+            report.sections.append((f"{module} (pid {pid}), last log lines", log_tail(log)))
     return report

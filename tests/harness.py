@@ -37,8 +37,19 @@ atexit.register(shutil.rmtree, _LOGS, ignore_errors=True)
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 """Prometheus samples: (metric name, label pairs) -> value."""
 
-RUNNING: dict[int, ServiceProcess] = {}
-"""Services started and not yet stopped, by PID (a failed test's report shows their logs)."""
+RUNNING: dict[int, tuple[str, Path]] = {}
+"""Services (and meshes) started and not yet stopped: PID -> (module, stderr file).
+A failed test's report shows the end of each log."""
+
+
+def new_log(module: str) -> Path:
+    """A fresh file for a process's stderr, removed when the test process exits."""
+    return Path(tempfile.mkstemp(prefix=f"{module}-", suffix=".log", dir=_LOGS)[1])
+
+
+def log_tail(path: Path, lines: int = 60) -> str:
+    """The last ``lines`` lines of a log file."""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 class ServiceProcess:
@@ -51,8 +62,7 @@ class ServiceProcess:
         env: dict[str, str] | None = None,
         timeout: float = 120.0,
     ) -> None:
-        self.module = module
-        self.log_path = Path(tempfile.mkstemp(prefix=f"{module}-", suffix=".log", dir=_LOGS)[1])
+        self.log_path = new_log(module)
         self._log = self.log_path.open("w")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
@@ -63,7 +73,7 @@ class ServiceProcess:
             stderr=self._log,
             text=True,
         )
-        RUNNING[self.proc.pid] = self
+        RUNNING[self.proc.pid] = (module, self.log_path)
         self.info = self._wait_ready(timeout)
         self.address: str = self.info["grpc"]
         # Keep draining stdout so the child never blocks on a full pipe.
@@ -97,10 +107,6 @@ class ServiceProcess:
         if not self._log.closed:
             self._log.flush()
         return self.log_path.read_text()
-
-    def log_tail(self, lines: int = 60) -> str:
-        """The last ``lines`` lines of the service's stderr."""
-        return "\n".join(self.logs().splitlines()[-lines:])
 
     def metrics(self) -> Samples:
         """Scrape the service's /metrics endpoint."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import ROOT
+from tests.harness import ROOT, RUNNING, log_tail, new_log
 from tests.otlp import OtlpReceiver
 
 
@@ -32,34 +32,40 @@ def otlp() -> Iterator[OtlpReceiver]:
 def start_mesh(
     repository: Path, config: Path, extra: list[str]
 ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    """Run the supervisor with free ports; returns it and its ready info."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "deploy.local.supervisor",
-            "--model-repository",
-            str(repository),
-            "--config",
-            str(config),
-            "--ports",
-            "auto",
-            *extra,
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    """Run the supervisor with free ports; returns it and its ready info.
+
+    Its stderr (its own lines and every service's) goes to a log whose end a
+    failed test's report shows while the mesh runs."""
+    log = new_log("deploy.local.supervisor")
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "deploy.local.supervisor",
+                "--model-repository",
+                str(repository),
+                "--config",
+                str(config),
+                "--ports",
+                "auto",
+                *extra,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    RUNNING[proc.pid] = ("deploy.local.supervisor", log)
     assert proc.stdout is not None
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
         line = proc.stdout.readline()
         if line.startswith("MESHSERVE_MESH_READY"):
             return proc, json.loads(line.split(" ", 1)[1])
-    proc.kill()
-    raise RuntimeError("the mesh did not become ready")
+    stop_mesh(proc)
+    raise RuntimeError(f"the mesh did not become ready:\n{log_tail(log)}")
 
 
 def stop_mesh(proc: subprocess.Popen[str]) -> None:
@@ -67,6 +73,7 @@ def stop_mesh(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
+    RUNNING.pop(proc.pid, None)
 
 
 @pytest.fixture(scope="session")

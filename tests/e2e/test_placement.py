@@ -48,14 +48,23 @@ def _wait_for(check: Callable[[], bool], timeout_s: float) -> bool:
     return True
 
 
-def _long_chat(base_url: str, done: threading.Event, stop: threading.Event) -> None:
+def _long_chat(
+    base_url: str, done: threading.Event, stop: threading.Event, outcome: dict[str, Any]
+) -> None:
+    """Stream a long chat until its end or ``stop``; ``outcome`` says how it went."""
     request = streamed_chat(base_url, "Tell me a long story about a lighthouse.", 400)
+    started = time.monotonic()
+    outcome["events"] = 0
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
-            for _ in response:  # until its end, or until the test has seen enough
+            for line in response:  # until its end, or until the test has seen enough
+                outcome["events"] += line.startswith(b"data: {")
                 if stop.is_set():
                     break
+    except Exception as exc:  # the test reports it
+        outcome["error"] = repr(exc)
     finally:
+        outcome["seconds"] = round(time.monotonic() - started, 1)
         done.set()
 
 
@@ -88,14 +97,15 @@ def test_the_mesh_keeps_off_a_generating_vllm_workers_cores(mesh: dict[str, Any]
     # Idle, every process may use every core (an idle LLM takes no core away).
     assert _wait_for(lambda: not placed(), 15)
     done, stop = threading.Event(), threading.Event()
+    outcome: dict[str, Any] = {}
     edge = mesh["processes"]["envoy"]["grpc"]
-    chat = threading.Thread(target=_long_chat, args=(f"http://{edge}/v1", done, stop))
+    chat = threading.Thread(target=_long_chat, args=(f"http://{edge}/v1", done, stop, outcome))
     chat.start()
     try:
         # The supervisor looks every second; placing all threads takes a pass.
-        in_time = _wait_for(lambda: done.is_set() or not crowding(), 20)
+        _wait_for(lambda: done.is_set() or not crowding(), 20)
         left = crowding()
-        assert in_time and not done.is_set(), "the generation ended before the mesh was placed"
+        assert not done.is_set(), f"the chat ended before the mesh was placed: {outcome}"
         assert not left, f"mesh threads allowed on the worker's cores {sorted(engine)}: {left}"
     finally:
         stop.set()  # closing the stream aborts the generation
