@@ -288,16 +288,20 @@ async def _keep_placed(processes: Sequence[ManagedProcess]) -> None:
 
     Every ``PLACEMENT_LOOK_S`` the engines' CPU time is read; a change between
     busy and idle re-places at once. A full pass (new processes and threads:
-    restarts, reloads) runs every ``PLACEMENT_FULL_PASS_LOOKS`` looks.
+    restarts, reloads) runs every ``PLACEMENT_FULL_PASS_LOOKS`` looks. A pass
+    that fails is logged (once while the same error repeats) and the next look
+    tries again: stopping would leave the mesh as the last pass put it.
     """
     placer = CorePlacer(frozenset(os.sched_getaffinity(0)))
     last: frozenset[int] = frozenset()
+    failed = ""
     for tick in itertools.count():
         full = tick % PLACEMENT_FULL_PASS_LOOKS == 0
         try:
             if full or placer.busy_changed():
                 pids = [p.proc.pid for p in processes if p.proc and p.proc.returncode is None]
                 placement = placer.place(pids)
+                failed = ""
                 if placement.niced:
                     log(
                         f"CPU placement: {placement.niced} thread(s) of the engine's driver "
@@ -306,9 +310,11 @@ async def _keep_placed(processes: Sequence[ManagedProcess]) -> None:
                 if placement.service_cores != last:
                     last = placement.service_cores
                     log(_describe(placement))
-        except Exception as exc:  # /proc races are suppressed inside; anything else is a bug
-            log(f"CPU placement stopped: {exc!r}")
-            return
+        except Exception as exc:  # /proc races are suppressed inside; anything else is a bug,
+            # but one bad pass must not leave the mesh narrowed (or crowding) for good.
+            if repr(exc) != failed:
+                failed = repr(exc)
+                log(f"CPU placement: a pass failed, trying again at the next look: {exc!r}")
         await asyncio.sleep(PLACEMENT_LOOK_S)
 
 
