@@ -189,8 +189,23 @@ def _dtype(name: str, datatype: str) -> np.dtype[Any]:
     return dtype
 
 
+def refuse_mixed_contents(request: pb.ModelInferRequest) -> None:
+    """InvalidArgument for an input with typed ``contents`` in a request that also
+    carries ``raw_input_contents``, in Triton's words (its clients match on them)."""
+    if not request.raw_input_contents:
+        return
+    for tensor in request.inputs:
+        if tensor.HasField("contents"):
+            raise InvalidArgument(
+                "contents field must not be specified when using raw_input_contents for "
+                f"'{tensor.name:.200}' for model '{request.model_name:.200}'"
+            )
+
+
 def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
     """All input tensors of a request, by name."""
+    # Before the count check: Triton names the mixed input even when the counts differ.
+    refuse_mixed_contents(request)
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise InvalidArgument(

@@ -42,7 +42,7 @@ from shared.servicer import (
     refuse_shared_memory,
     stats_to_proto,
 )
-from shared.tensors import decode_inputs, decode_raw, encode_raw
+from shared.tensors import decode_inputs, decode_raw, encode_raw, refuse_mixed_contents
 
 
 def _deadline(context: Any) -> float | None:
@@ -65,6 +65,7 @@ def _check_version(ensemble: str, version: str) -> None:
 def wire_inputs(request: pb.ModelInferRequest) -> dict[str, WireTensor]:
     """Request inputs in wire form; typed contents are re-encoded raw once."""
     refuse_shared_memory(request)
+    refuse_mixed_contents(request)
     if request.raw_input_contents:
         if len(request.raw_input_contents) != len(request.inputs):
             raise InvalidArgument(
