@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from opentelemetry import trace
@@ -214,6 +214,16 @@ def warmup_requests(spec: ModelSpec) -> list[tuple[str, InferRequest, int]]:
     return samples
 
 
+@runtime_checkable
+class ReportsRuntime(Protocol):
+    """A backend instance that says how it actually runs once loaded (e.g. the dtype
+    its engine resolved); ModelConfig shows these beside the config's parameters."""
+
+    def runtime_parameters(self) -> dict[str, str]:
+        """Parameter name -> value, known only after load."""
+        ...
+
+
 class ModelVersion:
     """A model version from load to unload; ``infer`` and ``stream`` are its request paths."""
 
@@ -245,6 +255,15 @@ class ModelVersion:
     def version(self) -> int:
         """The version number."""
         return self.spec.version
+
+    @property
+    def runtime_parameters(self) -> dict[str, str]:
+        """What the loaded instances report about how they run (``ReportsRuntime``)."""
+        reported: dict[str, str] = {}
+        for instance in [*self.streaming, *(threaded.instance for threaded in self.instances)]:
+            if isinstance(instance, ReportsRuntime):
+                reported.update(instance.runtime_parameters())
+        return reported
 
     @property
     def ready(self) -> bool:

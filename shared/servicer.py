@@ -18,6 +18,7 @@ import grpc
 
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
+from inference import model_config_pb2 as mc
 from shared.classification import Classification, classification
 from shared.errors import (
     GENERIC_INTERNAL_MESSAGE,
@@ -27,6 +28,7 @@ from shared.errors import (
     error_for_status,
 )
 from shared.manager import ModelManager
+from shared.model import ModelVersion
 from shared.request import InferRequest, InferResponse
 from shared.statistics import Duration, ModelStats
 from shared.tensors import decode_inputs, encode_outputs, parameters_to_dict
@@ -360,7 +362,7 @@ class InferenceServicer(BaseServicer):
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> Any:
         model = self.manager.get(request.name, request.version)
-        return pb.ModelConfigResponse(config=model.spec.config)
+        return pb.ModelConfigResponse(config=_with_runtime(model.spec.config, model))
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> Any:
         if request.name:
@@ -415,3 +417,16 @@ class InferenceServicer(BaseServicer):
 def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
     """Register the servicer (the shape ``ServiceParts.servicers`` expects)."""
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+
+
+def _with_runtime(config: mc.ModelConfig, model: ModelVersion) -> mc.ModelConfig:
+    """The config as loaded plus what its instances report once running (e.g.
+    ``dtype_in_use``): a reported value wins, since it is what actually runs."""
+    runtime = model.runtime_parameters
+    if not runtime:
+        return config
+    shown = mc.ModelConfig()
+    shown.CopyFrom(config)
+    for key, value in runtime.items():
+        shown.parameters[key].string_value = value
+    return shown
