@@ -17,6 +17,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
 
 from shared.errors import ConfigError
 
@@ -26,7 +27,8 @@ ENV_PREFIX = "MESHSERVE_"
 class ServiceConfig(BaseModel):
     """What every service process needs: where to listen and how to behave."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # Attribute docstrings become field descriptions: they are each flag's --help.
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     service_name: str = Field("meshserve", min_length=1, max_length=64)
     """The OpenTelemetry ``service.name`` and the Prometheus ``service`` label."""
@@ -53,20 +55,44 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _add_flags(parser: argparse.ArgumentParser, cls: type[ServiceConfig]) -> None:
+def _help(name: str, info: FieldInfo, default: Any, repeatable: bool) -> str:
+    """A flag's --help: the field's docstring, its default and its environment variable."""
+    # Empty only where the source (and so the docstring) is not shipped; a test
+    # checks that every setting has one.
+    description = " ".join((info.description or "").split())
+    shown = "none" if default is None or default == [] else str(default)
+    env = f"env {ENV_PREFIX}{name.upper()}"
+    where = (
+        f"repeatable; default: {shown}; {env}, comma-separated"
+        if repeatable
+        else (f"default: {shown}; {env}")
+    )
+    return f"{description} ({where})".lstrip().replace("%", "%%")  # argparse %-formats help
+
+
+def _add_flags(
+    parser: argparse.ArgumentParser, cls: type[ServiceConfig], defaults: Mapping[str, Any]
+) -> None:
+    """One ``--field-name`` flag per field; ``defaults`` overrides what --help shows."""
     for name, info in cls.model_fields.items():
         annotation = info.annotation
+        default = defaults.get(name, info.get_default(call_default_factory=True))
+        if get_origin(annotation) in (list, tuple):
+            text = _help(name, info, default, repeatable=True)
+            parser.add_argument(_flag(name), dest=name, action="append", default=None, help=text)
+            continue
+        text = _help(name, info, default, repeatable=False)
         kind: Any = str
+        choices = None
         if annotation in (int, float):
             kind = annotation
         elif annotation is bool:
             kind = _parse_bool
-        elif get_origin(annotation) in (list, tuple):
-            parser.add_argument(
-                _flag(name), dest=name, action="append", default=None, help=info.description
-            )
-            continue
-        parser.add_argument(_flag(name), dest=name, type=kind, default=None, help=info.description)
+        elif get_origin(annotation) is Literal:
+            choices = get_args(annotation)
+        parser.add_argument(
+            _flag(name), dest=name, type=kind, default=None, choices=choices, help=text
+        )
 
 
 def _parse_bool(text: str) -> bool:
@@ -112,8 +138,13 @@ def load_config(
 ) -> C:
     """Build ``cls`` from defaults, mesh YAML, environment and flags, validated once."""
     parser = argparse.ArgumentParser(prog=f"meshserve-{service}", description=cls.__doc__)
-    parser.add_argument("--config", type=Path, default=None, help="mesh YAML file")
-    _add_flags(parser, cls)
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help=f"mesh YAML file (defaults:, then services.{service}:); env {ENV_PREFIX}CONFIG",
+    )
+    _add_flags(parser, cls, {"service_name": service})
     args = vars(parser.parse_args(list(argv) if argv is not None else None))
     env = os.environ if env is None else env
 

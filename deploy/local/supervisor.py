@@ -385,19 +385,43 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model-repository", type=Path, required=True)
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="mesh YAML")
+    parser.add_argument(
+        "--model-repository",
+        type=Path,
+        required=True,
+        help="Triton-layout model repository every stage serves from (required)",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=DEFAULT_CONFIG,
+        help="mesh YAML: ports, replicas and each service's settings (default: %(default)s)",
+    )
     parser.add_argument(
         "--ports",
         choices=["config", "auto"],
         default="config",
-        help="ports from the mesh YAML, or free ports chosen at start",
+        help="ports from the mesh YAML, or free ports chosen at start (default: %(default)s)",
     )
     parser.add_argument(
-        "--replicas", action="append", default=[], help="stage=count, e.g. inference=2 (repeatable)"
+        "--replicas",
+        action="append",
+        default=[],
+        help="stage=count, e.g. inference=2 (repeatable; default: the mesh YAML's counts)",
     )
-    parser.add_argument("--grace-s", type=float, default=15.0)
-    parser.add_argument("--ready-timeout-s", type=float, default=300.0)
+    parser.add_argument(
+        "--grace-s",
+        type=float,
+        default=15.0,
+        help="on stop, seconds each service may drain before it is killed (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--ready-timeout-s",
+        type=float,
+        default=300.0,
+        help="seconds each group of services may take to become ready before the mesh gives "
+        "up (default: %(default)s)",
+    )
     return parser.parse_args(argv)
 
 
