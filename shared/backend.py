@@ -110,6 +110,16 @@ class Backend(Protocol):
         ...
 
 
+@runtime_checkable
+class CompletingBackend(Protocol):
+    """A backend that completes a model's config at load (Triton's auto-complete):
+    a minimal or missing config.pbtxt gets its tensors and batching from the model."""
+
+    def complete_config(self, config: mc.ModelConfig, version_path: Path) -> mc.ModelConfig:
+        """The completed config (blocking; called in a worker thread)."""
+        ...
+
+
 class StreamingInstance(Protocol):
     """One loaded copy of a decoupled model; every method runs on the event loop."""
 

@@ -7,6 +7,7 @@ HTTP statuses, so the two maps cannot drift apart.
 ::
 
     MeshError                      (INTERNAL, generic message to the client)
+    ├── ModelError                 (INTERNAL: a model's own code reported a failure)
     ├── InvalidArgument            (INVALID_ARGUMENT: bad tensor, field, config)
     │   └── ConfigError            (a config file is wrong: names file and line)
     ├── NotFound                   (NOT_FOUND: unknown model or version)
@@ -39,6 +40,11 @@ class MeshError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+
+class ModelError(MeshError):
+    """A model's code failed on purpose (Triton's ``TritonModelException``, a
+    ``TritonError`` without a code): INTERNAL, with the model's own message."""
 
 
 class InvalidArgument(MeshError):

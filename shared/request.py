@@ -34,6 +34,8 @@ class InferRequest:
     """When the request arrived (monotonic), for queue statistics."""
     queue_start_ns: int = 0
     compute_start_ns: int = 0
+    cancelled: bool = False
+    """Set once the caller went away (a model may stop early: ``is_cancelled()``)."""
 
     def batch_size(self, batched: bool) -> int:
         """Rows in this request: dim 0 of the first input, or 1 if unbatched."""

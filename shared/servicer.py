@@ -31,7 +31,7 @@ from shared.manager import ModelManager
 from shared.model import ModelVersion
 from shared.request import InferRequest, InferResponse
 from shared.statistics import Duration, ModelStats
-from shared.tensors import decode_inputs, encode_outputs, parameters_to_dict
+from shared.tensors import decode_inputs, encode_outputs, parameters_to_dict, set_parameter
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,8 @@ def to_proto(
     names = [name for name in order if name in response.outputs]
     names += [name for name in response.outputs if name not in names]
     encode_outputs(message, response.outputs, names)
+    for key, value in response.parameters.items():
+        set_parameter(message.parameters, key, value)
     return message
 
 

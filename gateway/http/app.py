@@ -29,6 +29,7 @@ from gateway.http import documents, generate, openai, rest
 from gateway.http.upstream import Upstream
 from inference import grpc_service_pb2 as pb
 from shared.errors import GENERIC_INTERNAL_MESSAGE, MeshError, Unavailable, Unimplemented
+from shared.protojson import to_json
 from shared.tracing import extract_context
 
 log = logging.getLogger(__name__)
@@ -189,7 +190,7 @@ async def vllm_health(request: web.Request) -> web.Response:
 async def server_metadata(request: web.Request) -> web.Response:
     """GET /v2."""
     answer = await _call(request, "ServerMetadata", pb.ServerMetadataRequest())
-    return _json(documents.to_json(answer))
+    return _json(to_json(answer))
 
 
 async def model_metadata(request: web.Request) -> web.Response:
@@ -198,7 +199,7 @@ async def model_metadata(request: web.Request) -> web.Response:
     answer = await _call(
         request, "ModelMetadata", pb.ModelMetadataRequest(name=name, version=version)
     )
-    return _json(documents.to_json(answer))
+    return _json(to_json(answer))
 
 
 async def model_ready(request: web.Request) -> web.Response:
@@ -220,7 +221,7 @@ async def model_statistics(request: web.Request) -> web.Response:
     name = request.match_info.get("name", "")
     message = pb.ModelStatisticsRequest(name=name, version=request.match_info.get("version", ""))
     answer = await _call(request, "ModelStatistics", message)
-    return _json(documents.to_json(answer))
+    return _json(to_json(answer))
 
 
 async def repository_index(request: web.Request) -> web.Response:

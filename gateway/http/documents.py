@@ -1,11 +1,9 @@
 """The spec's JSON documents for everything but inference, to and from v2 protos.
 
-Responses are the proto's JSON form with the proto field names (what Triton
-answers: ``max_batch_size``, ``TYPE_FP32``), every field present, and 64-bit
-integers as JSON numbers: protobuf's JSON mapping writes them as strings, but
-v2 REST clients read shapes and counters as numbers. Two documents are not a
-message's JSON form: the repository index is a bare array, and a model
-config is the config itself, not ``{"config": ...}``.
+Responses are the proto's JSON form as Triton writes it (``shared.protojson``:
+proto field names, every field present, 64-bit integers as numbers). Two
+documents are not a message's JSON form: the repository index is a bare
+array, and a model config is the config itself, not ``{"config": ...}``.
 """
 
 from __future__ import annotations
@@ -14,58 +12,10 @@ import base64
 import binascii
 from typing import Any
 
-from google.protobuf import json_format
-from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import Message
-
 from inference import grpc_service_pb2 as pb
 from shared import jsontext
 from shared.errors import InvalidArgument
-
-_INT64_TYPES = frozenset(
-    {
-        FieldDescriptor.TYPE_INT64,
-        FieldDescriptor.TYPE_UINT64,
-        FieldDescriptor.TYPE_SINT64,
-        FieldDescriptor.TYPE_FIXED64,
-        FieldDescriptor.TYPE_SFIXED64,
-    }
-)
-
-
-def to_json(message: Message) -> dict[str, Any]:
-    """A message as a JSON document (proto field names, all fields, int64 as numbers)."""
-    document = json_format.MessageToDict(
-        message,
-        always_print_fields_with_no_presence=True,
-        preserving_proto_field_name=True,
-    )
-    _int64_as_numbers(message.DESCRIPTOR, document)
-    return document
-
-
-def _int64_as_numbers(descriptor: Any, document: dict[str, Any]) -> None:
-    for field in descriptor.fields:
-        value = document.get(field.name)
-        if value is None:
-            continue
-        message_type = field.message_type
-        if message_type is not None and message_type.GetOptions().map_entry:
-            _map_values(message_type.fields_by_name["value"], value)
-        elif message_type is not None:
-            for item in value if field.is_repeated else [value]:
-                _int64_as_numbers(message_type, item)
-        elif field.type in _INT64_TYPES:
-            document[field.name] = [int(v) for v in value] if field.is_repeated else int(value)
-
-
-def _map_values(field: FieldDescriptor, mapping: dict[str, Any]) -> None:
-    if field.message_type is not None:
-        for item in mapping.values():
-            _int64_as_numbers(field.message_type, item)
-    elif field.type in _INT64_TYPES:
-        for key, item in mapping.items():
-            mapping[key] = int(item)
+from shared.protojson import to_json
 
 
 def model_config(response: pb.ModelConfigResponse) -> dict[str, Any]:
