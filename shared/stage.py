@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
+from prometheus_client import CollectorRegistry
 from pydantic import Field
 
 from shared.backend import Backend
@@ -17,7 +20,7 @@ from shared.config import ServiceConfig, load_config
 from shared.launch import run_service
 from shared.manager import ModelManager
 from shared.repository import ModelRepository
-from shared.server import ServiceParts
+from shared.server import Hook, ServiceParts
 from shared.servicer import SERVICE_NAME, InferenceServicer, add_to_server
 from shared.statistics import Metrics
 
@@ -29,6 +32,29 @@ class StageConfig(ServiceConfig):
     """Triton-layout model repository folder."""
     load_models: list[str] = Field(default_factory=list)
     """Models to load at start; empty loads every model this service hosts."""
+    orchestrator: str | None = None
+    """The orchestrator (host:port) that models here call for models elsewhere
+    (Triton's BLS); unset: they reach only the models of this stage."""
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What a backend that works with its stage is given (``StageBackend.attach``)."""
+
+    config: StageConfig
+    manager: ModelManager
+    """The stage's models: a backend may call them (BLS)."""
+    registry: CollectorRegistry
+    """The stage's /metrics registry."""
+
+
+@runtime_checkable
+class StageBackend(Protocol):
+    """A backend that needs the stage it runs in: its models, metrics, start and stop."""
+
+    def attach(self, stage: StageContext) -> tuple[list[Hook], list[Hook]]:
+        """Bind to ``stage``; hooks to run before the models load and after they unload."""
+        ...
 
 
 def build_stage_parts(config: StageConfig, backends: Mapping[str, Backend]) -> ServiceParts:
@@ -38,12 +64,20 @@ def build_stage_parts(config: StageConfig, backends: Mapping[str, Backend]) -> S
         ModelRepository(config.model_repository), backends, Metrics(parts.registry)
     )
     parts.servicers = [(add_to_server, InferenceServicer(manager))]
+    context = StageContext(config, manager, parts.registry)
+    starts: list[Hook] = []
+    stops: list[Hook] = []
+    for backend in backends.values():
+        if isinstance(backend, StageBackend):
+            start, stop = backend.attach(context)
+            starts += start
+            stops += stop
 
     async def load() -> None:
         await manager.load_all(config.load_models or None)
 
-    parts.on_start = [load]
-    parts.on_stop = [manager.unload_all]
+    parts.on_start = [*starts, load]
+    parts.on_stop = [manager.unload_all, *stops]
     return parts
 
 

@@ -176,31 +176,34 @@ def plan(
         port = int(settings.get("grpc_port", settings.get("http_port", 0)))
         return port + index, (metrics + index if metrics > 0 else metrics)
 
+    grpc_port, metrics_port = ports("orchestrator", 0)
+    host = (mesh.get("defaults") or {}).get("host", "127.0.0.1")
+    # Stages learn the orchestrator's address: their python models call other
+    # models through it (BLS).
+    stage_args = ("--model-repository", str(repository), "--orchestrator", f"{host}:{grpc_port}")
     stages: list[ProcessSpec] = []
     for stage in (mesh.get("supervisor") or {}).get("stages", []):
         count = replicas.get(stage["name"], int(stage.get("replicas", 1)))
         for index in range(count):
-            grpc_port, metrics_port = ports(stage["name"], index)
+            stage_port, stage_metrics = ports(stage["name"], index)
             stages.append(
                 ProcessSpec(
                     f"{stage['name']}-{index}",
                     stage["name"],
                     stage["module"],
-                    grpc_port,
-                    metrics_port,
-                    ("--model-repository", str(repository)),
+                    stage_port,
+                    stage_metrics,
+                    stage_args,
                 )
             )
-    grpc_port, metrics_port = ports("orchestrator", 0)
-    host = (mesh.get("defaults") or {}).get("host", "127.0.0.1")
-    stage_args = [arg for s in stages for arg in ("--stages", f"{s.stage}={host}:{s.grpc_port}")]
+    endpoints = [arg for s in stages for arg in ("--stages", f"{s.stage}={host}:{s.grpc_port}")]
     orchestrator = ProcessSpec(
         "orchestrator",
         "orchestrator",
         "services.orchestrator.main",
         grpc_port,
         metrics_port,
-        ("--model-repository", str(repository), *stage_args),
+        ("--model-repository", str(repository), *endpoints),
     )
     edge = (
         _edge(ports, f"{host}:{orchestrator.grpc_port}", host)
