@@ -382,6 +382,8 @@ class ModelVersion:
             response = await self.batcher.infer(request)
         except BaseException as exc:
             self.stats.request_done(time.monotonic_ns() - started, 0, False, _failure(exc))
+            if isinstance(exc, asyncio.CancelledError):
+                request.cancelled = True  # a model that checks is_cancelled() may stop early
             raise
         finished = time.monotonic_ns()
         queue_ns = max(0, request.compute_start_ns - request.queue_start_ns)
