@@ -14,7 +14,9 @@ class TritonPythonModel:
             a = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
             b = pb_utils.get_input_tensor_by_name(request, "INPUT1").as_numpy()
             if np.isnan(a).any():
-                error = pb_utils.TritonError("INPUT0 contains NaN")
+                error = pb_utils.TritonError(
+                    "INPUT0 contains NaN", pb_utils.TritonError.INVALID_ARG
+                )
                 responses.append(pb_utils.InferenceResponse(error=error))
                 continue
             responses.append(
