@@ -5,8 +5,9 @@ tens of seconds to start); a tokenizer service hosts ``smollm2_tokenizer``.
 Streams go through our own grpc.aio stubs and, in a child process, through
 tritonclient. What a user would notice: the answer streams token by token and
 is right (Paris), concurrent streams keep their own text, a cancelled stream
-stops the generation inside vLLM, bad requests name their field, and ModelInfer
-on a decoupled model says to use ModelStreamInfer.
+stops the generation inside vLLM, bad requests name their field, ModelInfer
+on a decoupled model says to use ModelStreamInfer, and the model's config shows
+(and the log says) the dtype the engine runs in: float32, on any CPU.
 """
 
 from __future__ import annotations
@@ -183,6 +184,19 @@ def test_greedy_chat_streams_token_deltas_ending_in_paris(
     assert outputs[-1]["ENGINE_FINISH"].tolist() == [b"stop"]
     assert text == tokenizer.decode(previous, skip_special_tokens=True)
     assert "Paris" in text
+
+
+def test_model_config_shows_the_dtype_the_engine_runs_in(
+    services: dict[str, ServiceProcess],
+) -> None:
+    with grpc.insecure_channel(services["inference"].address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        config = stub.ModelConfig(pb.ModelConfigRequest(name=MODEL), timeout=30).config
+    parameters = {key: value.string_value for key, value in config.parameters.items()}
+    assert parameters["dtype"] == "float32"  # the config's own: no engine guesses
+    assert parameters["dtype_in_use"] == "float32"  # what the running engine resolved
+    line = f"model '{MODEL}': dtype float32 in use (requested float32): as configured"
+    assert line in services["inference"].logs()
 
 
 async def _answer(address: str, ids: list[int]) -> list[pb.ModelStreamInferResponse]:
