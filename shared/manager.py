@@ -4,11 +4,18 @@ A (re)load builds the new versions beside the serving ones and swaps them in
 only once they are ready, so a reload never fails a request; the versions it
 replaces then drain their queues before they are released. Loads and unloads
 of one model are serialised by a per-model lock.
+
+A model that cannot load (a bad config.pbtxt, model code that raises, a
+missing import) is that model's problem: it is UNAVAILABLE with its error (in
+the index, the log and the metrics) and every other model still loads, so one
+model's fault never takes its stage down. Errors use Triton's words ("Request
+for unknown model", "failed to load") first, for clients that match on them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -16,13 +23,16 @@ from dataclasses import dataclass
 from google.protobuf import json_format
 
 from inference import model_config_pb2 as mc
-from shared.backend import Backend, ModelSpec, config_parameters
+from shared.backend import Backend, CompletingBackend, ModelSpec, config_parameters
 from shared.errors import ConfigError, InvalidArgument, MeshError, NotFound, Unavailable
 from shared.model import ModelVersion
-from shared.repository import ModelEntry, ModelRepository
+from shared.repository import CONFIG_FILE, ModelEntry, ModelRepository, validate_config
 from shared.statistics import Metrics
 
 log = logging.getLogger(__name__)
+
+REASON_CHARS = 1000
+"""A load error is cut to this many characters in the index and in answers."""
 
 
 @dataclass(frozen=True)
@@ -53,49 +63,100 @@ class ModelManager:
 
     def hosts(self, config: mc.ModelConfig) -> bool:
         """True when one of this service's backends runs the model."""
-        return self._backend_name(config) in self.backends
+        return self._backend_name(config.backend or config.platform) in self.backends
+
+    def hosts_name(self, name: str) -> bool:
+        """True when this service hosts the model folder ``name``; a config too
+        broken to name its backend may be any service's, so each one claims it
+        (and shows its error)."""
+        try:
+            return self.hosts(self.repository.config(name))
+        except ConfigError:
+            backend = self.repository.declared_backend(name)
+            return backend is None or self._backend_name(backend) in self.backends
 
     @staticmethod
-    def _backend_name(config: mc.ModelConfig) -> str:
+    def _backend_name(key: str) -> str:
         aliases = {"pytorch_libtorch": "pytorch", "onnxruntime_onnx": "onnxruntime"}
-        key = config.backend or config.platform
         return aliases.get(key, key)
 
     async def load_all(self, names: Iterable[str] | None = None) -> None:
-        """Load the given models, or every model this service hosts."""
+        """Load the given models, or every model this service hosts; one that
+        fails is left UNAVAILABLE with its error and the others still load."""
         if names is None:
-            entries = [e for e in self.repository.entries() if self.hosts(e.config)]
-            names = [entry.name for entry in entries]
+            names = [name for name in self.repository.names() if self.hosts_name(name)]
         for name in names:
-            await self.load(name)
+            try:
+                await self.load(name)
+            except NotFound as exc:
+                log.error("%s", exc.message)  # not in the repository: no model to mark
+            except MeshError:
+                continue  # recorded, logged and counted by load()
 
     async def load(self, name: str, config_override: str | None = None) -> None:
-        """Load or reload ``name``: new versions become ready, then replace the old."""
+        """Load or reload ``name``: new versions become ready, then replace the old.
+
+        A failure is recorded as the model's load error and raised as the same
+        kind of MeshError, its message starting "failed to load 'name'"; older
+        versions that serve keep serving.
+        """
+        if not self.repository.has(name):
+            raise NotFound(
+                f"failed to load '{name}', failed to poll from model repository "
+                f"(no model '{name}' in {self.repository.root})"
+            )
         async with self._lock(name):
-            entry = self.repository.entry(name)
-            if config_override:
-                entry = _with_override(entry, config_override)
-            backend = self.backends.get(self._backend_name(entry.config))
-            if backend is None:
-                raise InvalidArgument(
-                    f"model '{name}': backend '{entry.config.backend or entry.config.platform}'"
-                    f" is not served here (this service runs {sorted(self.backends)})"
-                )
-            wanted = entry.selected_versions()
-            fresh = [self._version(entry, version, backend) for version in wanted]
             try:
-                await asyncio.gather(*(version.load() for version in fresh))
-            except BaseException as exc:
-                self._failed[name] = str(exc) if isinstance(exc, MeshError) else repr(exc)
-                await asyncio.gather(
-                    *(v.unload() for v in fresh if v.ready), return_exceptions=True
-                )
-                raise
+                entry = self.repository.entry(name)
+                if config_override:
+                    entry = _with_override(entry, config_override)
+                fresh = await self._load_versions(entry)
+            except (Exception, SystemExit) as exc:
+                raise self._load_failed(name, exc) from exc
             old = self._versions.get(name, {})
             self._versions[name] = {version.version: version for version in fresh}
             self._failed.pop(name, None)
-            log.info("model '%s' ready, versions %s", name, list(wanted))
+            self._set_ready(name, True)
+            log.info("model '%s' ready, versions %s", name, sorted(self._versions[name]))
         await asyncio.gather(*(v.unload() for v in old.values()), return_exceptions=True)
+
+    async def _load_versions(self, entry: ModelEntry) -> list[ModelVersion]:
+        """Build and load every selected version of ``entry``; all or none."""
+        key = entry.config.backend or entry.config.platform
+        backend = self.backends.get(self._backend_name(key))
+        if backend is None:
+            raise InvalidArgument(
+                f"model '{entry.name}': backend '{key}' is not served here"
+                f" (this service runs {sorted(self.backends)})"
+            )
+        if isinstance(backend, CompletingBackend):
+            entry = await _completed(entry, backend)
+        fresh = [self._version(entry, v, backend) for v in entry.selected_versions()]
+        try:
+            await asyncio.gather(*(_load_version(version) for version in fresh))
+        except Exception:
+            await asyncio.gather(*(v.unload() for v in fresh if v.ready), return_exceptions=True)
+            raise
+        return fresh
+
+    def _load_failed(self, name: str, exc: BaseException) -> MeshError:
+        """Record ``exc`` as the load error of ``name``: index, log, metrics; the
+        error to raise, naming the model in Triton's words."""
+        if isinstance(exc, MeshError):
+            detail, kind = exc.message, type(exc)
+        else:
+            # Model code's own exception: its type and text are what its author needs.
+            detail, kind = f"{type(exc).__name__}: {exc}", InvalidArgument
+        self._failed[name] = detail[:REASON_CHARS]
+        log.error("failed to load '%s': %s", name, self._failed[name])
+        if self.metrics is not None:
+            self.metrics.load_failures.labels(name).inc()
+        self._set_ready(name, bool(self._versions.get(name)))
+        return kind(f"failed to load '{name}': {self._failed[name]}")
+
+    def _set_ready(self, name: str, serving: bool) -> None:
+        if self.metrics is not None:
+            self.metrics.model_ready.labels(name).set(1 if serving else 0)
 
     def _version(self, entry: ModelEntry, version: int, backend: Backend) -> ModelVersion:
         spec = ModelSpec(
@@ -113,6 +174,7 @@ class ModelManager:
             versions = self._versions.pop(name, None)
             if versions is None:
                 raise NotFound(f"model '{name}' is not loaded")
+            self._set_ready(name, False)
         await asyncio.gather(*(v.unload() for v in versions.values()))
 
     async def unload_all(self) -> None:
@@ -128,12 +190,19 @@ class ModelManager:
         versions = self._versions.get(name)
         if not versions:
             if name in self._failed:
-                raise Unavailable(f"model '{name}' failed to load: {self._failed[name]}")
-            raise NotFound(f"unknown model '{name}'")
+                raise Unavailable(
+                    f"Request for unknown model: '{name}' has no available versions: "
+                    f"failed to load '{name}': {self._failed[name]}"
+                )
+            raise NotFound(
+                f"Request for unknown model: '{name}' is not found (not loaded by this service)"
+            )
         if version:
             if not version.isdigit() or int(version) not in versions:
                 raise NotFound(
-                    f"model '{name}' has no version '{version}' loaded (loaded: {sorted(versions)})"
+                    f"Request for unknown model: '{name}' version {version} is not found "
+                    f"(model '{name}' has no version '{version}' loaded; "
+                    f"loaded: {sorted(versions)})"
                 )
             return versions[int(version)]
         ready = [v for v in versions.values() if v.ready]
@@ -160,16 +229,43 @@ class ModelManager:
                     for v in sorted(versions.values(), key=lambda v: v.version)
                 ]
                 continue
-            try:
-                config = self.repository.config(name)
-            except ConfigError as exc:
-                rows.append(IndexEntry(name, "", "UNAVAILABLE", str(exc)))
-                continue
-            if self.hosts(config):
-                rows.append(IndexEntry(name, "", "UNAVAILABLE", self._failed.get(name, "")))
+            if self.hosts_name(name):
+                rows.append(IndexEntry(name, "", "UNAVAILABLE", self._unloaded_reason(name)))
         if ready_only:
             rows = [row for row in rows if row.state == "READY"]
         return rows
+
+    def _unloaded_reason(self, name: str) -> str:
+        """Why a model is not loaded: its config's error as it is now, else the
+        error of its last load (empty: never loaded, or unloaded)."""
+        try:
+            self.repository.config(name)
+        except ConfigError as exc:
+            return exc.message[:REASON_CHARS]
+        return self._failed.get(name, "")
+
+
+async def _load_version(version: ModelVersion) -> None:
+    """Load one version; model code's SystemExit becomes an ordinary error here,
+    inside the task, because asyncio lets a task's SystemExit stop the loop."""
+    try:
+        await version.load()
+    except SystemExit as exc:
+        raise InvalidArgument(
+            f"model '{version.name}' version {version.version}: model code raised "
+            f"SystemExit({exc.code!r})"
+        ) from exc
+
+
+async def _completed(entry: ModelEntry, backend: CompletingBackend) -> ModelEntry:
+    """``entry`` with the config its backend completed (in a thread: it may import
+    model code), validated again."""
+    newest = entry.version_path(entry.selected_versions()[-1])
+    loop = asyncio.get_running_loop()
+    config = await loop.run_in_executor(None, backend.complete_config, entry.config, newest)
+    config.name = entry.name
+    validate_config(config, entry.path / CONFIG_FILE)
+    return dataclasses.replace(entry, config=config)
 
 
 def _state(version: ModelVersion) -> tuple[str, str]:

@@ -20,6 +20,10 @@ from shared.errors import ConfigError, NotFound
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.pbtxt"
+AUTO_COMPLETE_FILE = "model.py"
+AUTO_COMPLETE_BACKEND = "python"
+"""A model folder without config.pbtxt whose version holds ``model.py`` is served
+by this backend (Triton picks it by the file, then asks the model to complete it)."""
 
 # Top-level ModelConfig fields the mesh implements; anything else that is set
 # is reported as unsupported (parsed, kept, but without effect).
@@ -181,20 +185,28 @@ class ModelRepository:
         self._configs: dict[Path, tuple[str, mc.ModelConfig]] = {}
 
     def names(self) -> list[str]:
-        """Model folder names that hold a config.pbtxt."""
+        """Model folder names: those with a config.pbtxt, and python models without one."""
         if not self.root.is_dir():
             raise ConfigError(f"{self.root}: model repository folder does not exist")
-        return sorted(
-            child.name
-            for child in self.root.iterdir()
-            if child.is_dir() and (child / CONFIG_FILE).is_file()
-        )
+        return sorted(child.name for child in self.root.iterdir() if self.has(child.name))
+
+    def has(self, name: str) -> bool:
+        """True when ``name`` is a model folder of the repository."""
+        folder = self.root / name
+        return (folder / CONFIG_FILE).is_file() or _python_model_without_config(folder)
+
+    def _text(self, name: str, config_path: Path) -> str:
+        """The config's text; a python model without one gets Triton's minimal config
+        (its ``auto_complete_config`` fills in the rest at load)."""
+        if not config_path.is_file() and _python_model_without_config(config_path.parent):
+            return f'backend: "{AUTO_COMPLETE_BACKEND}"\n'
+        return read_config(config_path)
 
     def entry(self, name: str) -> ModelEntry:
         """The parsed, validated entry of one model."""
         path = self.root / name
         config_path = path / CONFIG_FILE
-        if not config_path.is_file():
+        if not self.has(name):
             raise NotFound(f"model '{name}' is not in the repository {self.root}")
         config = mc.ModelConfig()
         config.CopyFrom(self._config(name, config_path))  # callers may change their copy
@@ -217,7 +229,7 @@ class ModelRepository:
 
     def _config(self, name: str, config_path: Path) -> mc.ModelConfig:
         """The parsed, validated config; from the cache while the file is unchanged."""
-        text = read_config(config_path)
+        text = self._text(name, config_path)
         cached = self._configs.get(config_path)
         if cached is not None and cached[0] == text:
             return cached[1]
@@ -238,6 +250,28 @@ class ModelRepository:
     def entries(self) -> list[ModelEntry]:
         """Every model's entry (raises on the first bad config)."""
         return [self.entry(name) for name in self.names()]
+
+    def declared_backend(self, name: str) -> str | None:
+        """The backend (or platform) a model's config names even when the config
+        is invalid; None when its text does not parse. (Which stage owns a broken
+        model, so that it alone shows the error.)"""
+        config_path = self.root / name / CONFIG_FILE
+        try:
+            config = parse_config(config_path, self._text(name, config_path))
+        except ConfigError:
+            return None
+        return config.backend or config.platform or None
+
+
+def _python_model_without_config(folder: Path) -> bool:
+    """A model folder with no config.pbtxt whose version folder holds a model.py
+    (Triton serves it with the python backend and the model's auto-complete)."""
+    if not folder.is_dir() or (folder / CONFIG_FILE).exists():
+        return False
+    return any(
+        child.is_dir() and child.name.isdigit() and (child / AUTO_COMPLETE_FILE).is_file()
+        for child in folder.iterdir()
+    )
 
 
 def hosting_service(config: mc.ModelConfig) -> str:

@@ -14,7 +14,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 
 _US = 1_000
@@ -58,16 +58,28 @@ class ModelStats:
     batches: dict[int, BatchStats] = field(default_factory=lambda: defaultdict(BatchStats))
 
 
-_TRITON_COUNTER_HEADER = re.compile(rb"^# (HELP|TYPE) (nv_[a-z_]+)_total ", re.MULTILINE)
+_COUNTER_TYPE = re.compile(rb"^# TYPE (\S+)_total counter\n(\S+?)[{ ]", re.MULTILINE)
 
 
 def render(registry: CollectorRegistry) -> bytes:
-    """Prometheus text exposition with Triton's counter names kept as they are.
+    """Prometheus text exposition with plain counter names kept as they are.
 
-    prometheus_client names every counter family ``<name>_total``; Triton's
-    counters (``nv_*``) are plain names, so their HELP/TYPE lines are put back.
+    prometheus_client names every counter family ``<name>_total`` in its HELP
+    and TYPE lines. Triton's counters (``nv_*``) and python models' custom
+    counters are plain names (their samples carry no ``_total``), and
+    dashboards built for Triton query them so: their header lines are put back.
     """
-    return _TRITON_COUNTER_HEADER.sub(rb"# \1 \2 ", generate_latest(registry))
+    text = generate_latest(registry)
+    plain = {
+        family
+        for family, sample in _COUNTER_TYPE.findall(text)
+        # The sample has the plain name (an empty family: Triton's own names).
+        if sample == family or family.startswith(b"nv_")
+    }
+    for family in plain:
+        for kind in (b"HELP", b"TYPE"):
+            text = text.replace(b"# %s %s_total " % (kind, family), b"# %s %s " % (kind, family))
+    return text
 
 
 class TritonCounters:
@@ -206,6 +218,19 @@ class Metrics:
             labels,
             registry=registry,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+        )
+        # Per model, not per version: a load that fails has no version to name.
+        self.load_failures = Counter(
+            "meshserve_model_load_failures",
+            "Loads of a model that failed (its error is in the log and RepositoryIndex)",
+            ["model"],
+            registry=registry,
+        )
+        self.model_ready = Gauge(
+            "meshserve_model_ready",
+            "1 while some version of the model serves, 0 once it failed to load or unloaded",
+            ["model"],
+            registry=registry,
         )
 
 
