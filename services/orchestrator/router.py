@@ -3,12 +3,14 @@
 The orchestrator is given stage endpoints (``name=host:port``; in Kubernetes a
 headless Service name resolves to every replica). It learns which models each
 endpoint hosts from RepositoryIndex and refreshes that periodically, so no
-routing table is kept by hand. A call goes to the ready replica with the
-fewest calls in flight; when a replica cannot be reached the call is retried
-once on another replica (model inference here is idempotent), and the replica
-is marked unready until the next refresh finds it again. Streams to a replica
-come from its ``StageStream`` spares when one waits (services/orchestrator/
-stage_stream.py).
+routing table is kept by hand. Calls go only to READY models; the load errors
+of the models a stage could not load are kept too, so a call to one of them
+answers UNAVAILABLE with that error instead of "unknown model". A call goes to
+the ready replica with the fewest calls in flight; when a replica cannot be
+reached the call is retried once on another replica (model inference here is
+idempotent), and the replica is marked unready until the next refresh finds it
+again. Streams to a replica come from its ``StageStream`` spares when one waits
+(services/orchestrator/stage_stream.py).
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class Endpoint:
     stubs: list[pb_grpc.GRPCInferenceServiceStub]
     channels: list[grpc.aio.Channel]
     models: set[str] = field(default_factory=set)
+    load_errors: dict[str, str] = field(default_factory=dict)
+    """Models this replica failed to load -> the error (RepositoryIndex reason)."""
     ready: bool = False
     in_flight: int = 0
     spare_count: int = 0
@@ -188,7 +192,7 @@ class StageRouter:
                 log.exception("stage discovery failed")
 
     async def refresh(self) -> None:
-        """Ask every endpoint which models it has ready (RepositoryIndex)."""
+        """Ask every endpoint which models it has ready, and which failed (RepositoryIndex)."""
         before = {id(e): (e.ready, frozenset(e.models)) for e in self.endpoints}
         await asyncio.gather(*(self._refresh_one(e) for e in self.endpoints))
         after = {id(e): (e.ready, frozenset(e.models)) for e in self.endpoints}
@@ -197,9 +201,7 @@ class StageRouter:
 
     async def _refresh_one(self, endpoint: Endpoint) -> None:
         try:
-            index = await endpoint.stub().RepositoryIndex(
-                pb.RepositoryIndexRequest(ready=True), timeout=5
-            )
+            index = await endpoint.stub().RepositoryIndex(pb.RepositoryIndexRequest(), timeout=5)
         except grpc.aio.AioRpcError as exc:
             if endpoint.ready:
                 log.warning("%s is unreachable: %s", endpoint.describe(), exc.details())
@@ -208,7 +210,13 @@ class StageRouter:
             return
         if not endpoint.ready:
             log.info("%s is ready", endpoint.describe())
-        endpoint.models = {model.name for model in index.models}
+        endpoint.models = {model.name for model in index.models if model.state == "READY"}
+        # A reason says why a model is not loaded; none: never loaded, or unloaded.
+        endpoint.load_errors = {
+            model.name: model.reason
+            for model in index.models
+            if model.state == "UNAVAILABLE" and model.reason and model.name not in endpoint.models
+        }
         endpoint.ready = True
         endpoint.fill_spares()
 
@@ -233,10 +241,24 @@ class StageRouter:
         if not candidates:
             known = self.replicas(model)
             if not known:
-                raise NotFound(f"unknown model '{model}': no stage hosts it")
+                raise self._not_hosted(model)
             where = ", ".join(e.describe() for e in known)
             raise Unavailable(f"model '{model}': no ready replica ({where})")
         return min(candidates, key=lambda e: e.in_flight)
+
+    def _not_hosted(self, model: str) -> NotFound | Unavailable:
+        """The error for a model no replica serves: its load error where a stage
+        failed to load it, else unknown (Triton's words first, for its clients)."""
+        failed = [e for e in self.endpoints if model in e.load_errors]
+        if not failed:
+            return NotFound(
+                f"Request for unknown model: '{model}' is not found (no stage hosts it)"
+            )
+        where = failed[0]
+        return Unavailable(
+            f"Request for unknown model: '{model}' has no available versions: failed to load "
+            f"'{model}' on {where.describe()}: {where.load_errors[model]}"
+        )
 
     def stream(self, model: str) -> StageStream:
         """A ModelStreamInfer call to the least busy ready replica of ``model``.

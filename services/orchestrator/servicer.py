@@ -33,8 +33,8 @@ from services.orchestrator.streaming import (
     wire_outputs,
 )
 from shared.classification import classification
-from shared.errors import InvalidArgument, MeshError, NotFound, error_for_status
-from shared.repository import hosting_service
+from shared.errors import ConfigError, InvalidArgument, MeshError, NotFound, error_for_status
+from shared.repository import ModelEntry, hosting_service
 from shared.servicer import (
     EMPTY_FINAL_RESPONSE,
     FINAL_RESPONSE,
@@ -58,7 +58,8 @@ def _check_version(ensemble: str, version: str) -> None:
     """NotFound for a version of an ensemble other than the one it is served as."""
     if version not in ("", ENSEMBLE_VERSION):
         raise NotFound(
-            f"ensemble '{ensemble}' has no version '{version}' (served: [{ENSEMBLE_VERSION}])"
+            f"Request for unknown model: '{ensemble}' version {version} is not found "
+            f"(ensemble '{ensemble}' has no version '{version}'; served: [{ENSEMBLE_VERSION}])"
         )
 
 
@@ -339,8 +340,7 @@ class OrchestratorServicer(BaseServicer):
         self, request: pb.RepositoryModelLoadRequest, context: Any
     ) -> Any:
         name = request.model_name
-        repository = self.ensembles.repository
-        entry = repository.entry(name) if repository is not None else None
+        entry = self._entry_to_load(name)
         if entry is not None and is_ensemble(entry.config):
             await self.ensembles.load(name)
             return pb.RepositoryModelLoadResponse()
@@ -353,11 +353,31 @@ class OrchestratorServicer(BaseServicer):
                     stage, lambda stub: stub.RepositoryModelLoad(request, timeout=300)
                 )
             else:
-                raise NotFound(f"unknown model '{name}'")
+                raise NotFound(
+                    f"failed to load '{name}', failed to poll from model repository "
+                    "(no stage hosts it)"
+                )
         except grpc.aio.AioRpcError as exc:
             raise _as_mesh_error(exc) from exc
-        await self.router.refresh()
+        finally:
+            # Succeeded or not: the index now says what the stages hold (and why not).
+            await self.router.refresh()
         return pb.RepositoryModelLoadResponse()
+
+    def _entry_to_load(self, name: str) -> ModelEntry | None:
+        """The repository's entry of a model to load (None: no repository here);
+        its errors in Triton's words for a failed load."""
+        repository = self.ensembles.repository
+        if repository is None:
+            return None
+        try:
+            return repository.entry(name)
+        except NotFound as exc:
+            raise NotFound(
+                f"failed to load '{name}', failed to poll from model repository ({exc.message})"
+            ) from exc
+        except ConfigError as exc:
+            raise ConfigError(f"failed to load '{name}': {exc.message}") from exc
 
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context: Any
