@@ -111,7 +111,12 @@ def test_generate_without_max_tokens_stops_at_sixteen(edge: str) -> None:
             ["parameters.temperature", "between 0 and 2"],
         ),
         ("llm/generate", {"text_input": "hi", "stream": "no"}, 400, ["stream", "boolean"]),
-        ("nope/generate", {"text_input": "hi"}, 404, ["unknown model 'nope'"]),
+        (
+            "nope/generate",
+            {"text_input": "hi"},
+            404,
+            ["Request for unknown model: 'nope' is not found"],
+        ),
         ("llm/versions/7/generate_stream", {"text_input": "hi"}, 404, ["no version '7'"]),
         ("mobilenet_v2/generate", {"text_input": "hi"}, 400, ["unknown input 'PROMPT'"]),
         # Found by the engine, before the first token: still a status, not an event.
