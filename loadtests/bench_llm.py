@@ -342,13 +342,16 @@ class GrpcChat:
 class StaticBatch:
     """``generate`` on the whole batch at once, greedy, with a step clock."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, dtype: str) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self._torch = torch
         self._tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
-        self._model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        # The engine's dtype, so that all sides compute alike ("auto": the checkpoint's, as vLLM).
+        wanted = dtype if dtype == "auto" else getattr(torch, dtype)
+        model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=wanted)
+        self._model = model.eval()
 
     def run(self, texts: Sequence[str], max_tokens: int) -> RoundResult:
         tokenizer = self._tokenizer
@@ -386,13 +389,33 @@ class StaticBatch:
 # -- vLLM's own server ---------------------------------------------------------
 
 
+def engine_spec(repository: Path) -> ModelSpec:
+    """The engine model's spec, read from its config.pbtxt as the inference stage reads it."""
+    model_dir = repository / ENGINE_MODEL
+    config = parse_config(model_dir / "config.pbtxt")
+    return ModelSpec(ENGINE_MODEL, 1, model_dir / "1", config, config_parameters(config))
+
+
+def engine_dtype(repository: Path) -> str:
+    """The dtype the model's config asks the engine for (float32 by default)."""
+    from services.inference.vllm_settings import EngineSettings
+
+    return EngineSettings.from_spec(engine_spec(repository)).dtype
+
+
+def mesh_dtype_in_use(edge: str) -> str:
+    """The dtype the mesh's engine resolved: ``dtype_in_use`` in the model's config."""
+    url = f"http://{edge}/v2/models/{ENGINE_MODEL}/config"
+    with urllib.request.urlopen(url, timeout=30) as answer:
+        parameters = json.load(answer).get("parameters", {})
+    return str(parameters.get("dtype_in_use", {}).get("string_value", "unknown"))
+
+
 def engine_flags(repository: Path) -> tuple[list[str], dict[str, str]]:
     """vLLM server flags (and environment) equal to the mesh's engine settings."""
     from services.inference.vllm_settings import EngineSettings
 
-    model_dir = repository / ENGINE_MODEL
-    config = parse_config(model_dir / "config.pbtxt")
-    spec = ModelSpec(ENGINE_MODEL, 1, model_dir / "1", config, config_parameters(config))
+    spec = engine_spec(repository)
     args = EngineSettings.from_spec(spec).engine_args(spec)
     flags = [
         "--model", str(args.model),
@@ -563,7 +586,7 @@ async def measure(
         engines["vllm server"] = EngineTtft([vllm_url.removesuffix("/v1") + "/metrics"])
     if "transformers" not in settings.skip:
         runners["transformers"] = _static_runner(
-            StaticBatch(settings.repository / ENGINE_MODEL / "1")
+            StaticBatch(settings.repository / ENGINE_MODEL / "1", engine_dtype(settings.repository))
         )
     rounds: list[RoundResult] = []
     probes: list[RoundResult] = []
@@ -653,8 +676,11 @@ def _outside_p50_ms(runs: Sequence[RoundResult], clock: str) -> float | None:
     return float(np.median(outside)) if outside else None
 
 
-def report(rounds: Sequence[RoundResult], probes: Sequence[RoundResult], settings: Settings) -> str:
-    """The batch table (best round per target) and the lone-request TTFT table."""
+def report(
+    rounds: Sequence[RoundResult], probes: Sequence[RoundResult], settings: Settings, dtypes: str
+) -> str:
+    """The batch table (best round per target) and the lone-request TTFT table;
+    ``dtypes`` says which dtype each side computed in."""
     labels = [label for label in TARGETS if any(r.label == label for r in rounds)]
     mine = {label: [r for r in rounds if r.label == label] for label in labels}
     best = {label: max(runs, key=lambda r: r.tokens_per_s) for label, runs in mine.items()}
@@ -691,7 +717,7 @@ def report(rounds: Sequence[RoundResult], probes: Sequence[RoundResult], setting
     text = (
         f"{settings.streams} concurrent chat streams x {settings.max_tokens} tokens at most, "
         f"greedy; tok/s and CPU (whole machine) of the fastest of {settings.rounds} round(s), "
-        f"TTFT over all of them\n{format_table(headers, rows)}"
+        f"TTFT over all of them; {dtypes}\n{format_table(headers, rows)}"
     )
     if probes:
         alone = {label: [r for r in probes if r.label == label] for label in labels}
@@ -743,6 +769,16 @@ def report(rounds: Sequence[RoundResult], probes: Sequence[RoundResult], setting
     return text
 
 
+def dtype_summary(repository: Path, in_mesh: str) -> str:
+    """Each side's dtype in one line: the comparison holds only where they agree."""
+    wanted = engine_dtype(repository)
+    text = f"dtype: {wanted} (mesh engine: {in_mesh} in use, vllm server: --dtype {wanted}, "
+    text += f"transformers: {wanted})"
+    if wanted not in ("auto", in_mesh):
+        text += " -- WARNING: the mesh's engine does not run in the configured dtype"
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_args(argv)
     install_sigterm_exit()
@@ -758,8 +794,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "vllm server" not in settings.skip:
             print("starting vLLM's OpenAI server ...", flush=True)
             vllm_url = stack.enter_context(vllm_server(settings.repository))
+        dtypes = dtype_summary(settings.repository, mesh_dtype_in_use(mesh.edge))
+        print(dtypes, flush=True)
         rounds, probes = asyncio.run(measure(settings, mesh, vllm_url))
-    print(report(rounds, probes, settings))
+    print(report(rounds, probes, settings, dtypes))
     print(f"load average after: {load_average()}")
     return 0
 
