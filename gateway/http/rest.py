@@ -113,6 +113,10 @@ class _Output(BaseModel):
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    # KServe's clients repeat the URL's model (and may its version) in the body,
+    # as KServe's servers accept; they must agree with the URL (_check_target).
+    model_name: str | None = None
+    model_version: str | None = None
     id: str = ""
     parameters: dict[str, Any] = Field(default_factory=dict)
     inputs: list[_Input]
@@ -221,10 +225,28 @@ def _add_inputs(request: pb.ModelInferRequest, inputs: list[_Input], binary: mem
         )
 
 
+def _check_target(document: _Request, model: str, version: str) -> str:
+    """The version to call: the URL's, or the body's where the URL names none.
+    A body ``model_name`` / ``model_version`` that contradicts the URL is refused."""
+    if document.model_name is not None and document.model_name != model:
+        raise InvalidArgument(
+            f"model_name '{document.model_name:.100}' in the request body contradicts the "
+            f"model '{model:.100}' in the URL"
+        )
+    body_version = document.model_version or ""
+    if version and body_version and body_version != version:
+        raise InvalidArgument(
+            f"model_version '{body_version:.40}' in the request body contradicts the "
+            f"version '{version:.40}' in the URL"
+        )
+    return version or body_version
+
+
 def parse_infer(model: str, version: str, body: bytes, header_length: str | None) -> InferCall:
     """A request body (JSON, or JSON + binary tensors) as an InferCall."""
     header, binary = split_body(body, header_length)
     document = _parse_header(header)
+    version = _check_target(document, model, version)
     request = pb.ModelInferRequest(model_name=model, model_version=version, id=document.id)
     parameters = dict(document.parameters)
     binary_default = _pop_bool(parameters, "binary_data_output", "request") or False
