@@ -6,9 +6,11 @@ STAMP  := $(VENV)/.installed
 BUF    := .tools/node_modules/.bin/buf
 CACHE  ?= $(or $(MESHSERVE_CACHE),$(HOME)/.cache/meshserve)
 NODE_DEPS := tests/node/node_modules/.package-lock.json
+KSERVE_PY := .venv-kserve/bin/python
+KSERVE_STAMP := .venv-kserve/.installed
 MESH   ?= deploy/local/mesh.yaml
 
-.PHONY: install models protos lint test test-fast run clean bench bench-llm gpu-check
+.PHONY: install models protos lint test test-fast run clean bench bench-llm gpu-check kserve-client
 
 # vLLM: the CUDA build where a GPU driver is present, else the CPU build.
 LLM_EXTRA := $(if $(shell command -v nvidia-smi 2>/dev/null),llm-cuda,llm-cpu)
@@ -32,6 +34,17 @@ $(BUF):
 $(NODE_DEPS): tests/node/package.json tests/node/package-lock.json
 	npm ci --silent --no-audit --no-fund --prefix tests/node
 
+# KServe's own Python clients, for the gateway tests (tests/clients/kserve_*.py).
+# Their own venv: kserve's generated gRPC code defines the same `inference`
+# protobuf package as ours (so it runs in a child process anyway), and kserve
+# pins psutil<6, which would downgrade the main venv's.
+$(KSERVE_STAMP): Makefile
+	test -x $(KSERVE_PY) || $(PYTHON) -m venv .venv-kserve
+	$(KSERVE_PY) -m pip install -q kserve==0.21.0
+	touch $(KSERVE_STAMP)
+
+kserve-client: $(KSERVE_STAMP)
+
 install: $(STAMP)
 
 models: $(STAMP)
@@ -47,7 +60,7 @@ lint: $(STAMP) $(BUF)
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
-test: lint models $(NODE_DEPS)
+test: lint models $(NODE_DEPS) $(KSERVE_STAMP)
 	MESHSERVE_CACHE=$(CACHE) $(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: $(STAMP)
@@ -67,4 +80,4 @@ gpu-check: models
 	MESHSERVE_CACHE=$(CACHE) $(PY) scripts/gpu_check.py
 
 clean:
-	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-kserve .tools .pytest_cache .mypy_cache .ruff_cache
