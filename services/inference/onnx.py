@@ -24,6 +24,12 @@ class OnnxInstance(TensorInstance):
         options.inter_op_num_threads = 1
         # Spinning threads steal the cores torch instances in the same process need.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # float32 stays float32 whatever the CPU: MLAS may run float32 GEMMs in
+        # bfloat16 on arm64 CPUs that have it. Off by default; pinned so that
+        # no default changing under us makes answers differ by host.
+        options.add_session_config_entry("mlas.enable_gemm_fastmath_arm64_bfloat16", "0")
+        # Named, never "whatever is installed": an accelerated provider (oneDNN,
+        # OpenVINO) picked by the host could compute in another precision.
         providers: list[str | tuple[str, dict[str, str]]] = ["CPUExecutionProvider"]
         if instance.device.startswith("cuda"):
             if "CUDAExecutionProvider" not in ort.get_available_providers():

@@ -65,6 +65,8 @@ log = logging.getLogger(__name__)
 
 INPUT_IDS = "INPUT_IDS"
 SAMPLING = "SAMPLING"
+_FPMATH_MODE = "ONEDNN_DEFAULT_FPMATH_MODE"
+_STRICT = "STRICT"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
 
 
@@ -200,6 +202,7 @@ def _prepare_environment() -> None:
     cache = Path(os.environ.get("MESHSERVE_CACHE") or Path.home() / ".cache" / "meshserve")
     os.environ.setdefault("VLLM_CACHE_ROOT", str(cache / "vllm"))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "torchinductor"))
+    _pin_float_math()
     if "VLLM_RPC_BASE_PATH" not in os.environ:
         # The engine's ZeroMQ sockets and torch's rendezvous file are named by
         # a fresh UUID in the temporary folder each start, and a stopped engine
@@ -209,6 +212,26 @@ def _prepare_environment() -> None:
         atexit.register(shutil.rmtree, private, ignore_errors=True)
         os.environ["VLLM_RPC_BASE_PATH"] = private
         os.environ["TMPDIR"] = private  # read by the engine's own processes
+
+
+def _pin_float_math() -> None:
+    """float32 math stays float32 in the engine's processes, on every CPU.
+
+    oneDNN (inside vLLM's CPU kernels and torch) rounds float32 matmuls through
+    bfloat16 when ONEDNN_DEFAULT_FPMATH_MODE asks, but only on CPUs that have
+    bfloat16 in hardware (AMX, AVX512-BF16): answers would then differ by CPU.
+    A model meant to run in bfloat16 says ``dtype: bfloat16`` instead, which
+    holds on every CPU.
+    """
+    mode = os.environ.get(_FPMATH_MODE, _STRICT)
+    if mode.upper() != _STRICT:
+        log.warning(
+            "%s=%s ignored: it would make float32 answers differ by CPU; "
+            "set the model's dtype parameter instead",
+            _FPMATH_MODE,
+            mode,
+        )
+    os.environ[_FPMATH_MODE] = _STRICT
 
 
 def _check_device(spec: ModelSpec, instance: InstanceSpec) -> bool:

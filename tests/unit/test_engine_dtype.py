@@ -6,18 +6,23 @@ These tests read the prepared repository's ``smollm2`` config through the vllm
 backend's own ``EngineSettings`` and let vLLM's own ``ModelConfig`` resolve the
 dtype (what the engine does at start, without starting it), with torch's check
 for native bfloat16 (AVX512-BF16, AMX) forced either way: no CPU of the other
-kind is at hand.
+kind is at hand. A cache prepared before a config changed must not keep the old
+one, and oneDNN must not be told to round float32 through bfloat16 (which only
+CPUs with bfloat16 hardware would do).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
 
 import pytest
 
+from models import prepare
 from models.prepare import prepare_repository
+from services.inference.vllm import _pin_float_math
 from services.inference.vllm_settings import EngineSettings, dtype_name, log_dtype
 from shared.backend import ModelSpec, config_parameters
 from shared.repository import parse_config
@@ -88,4 +93,35 @@ def test_auto_is_vllms_choice_on_every_cpu_and_logged_with_the_cpus_bfloat16(
     assert logged(caplog) == [
         "model 'smollm2': dtype bfloat16 in use (requested auto): auto: vLLM's choice "
         f"from the checkpoint's torch_dtype, the same on every CPU; {cpu}"
+    ]
+
+
+def test_a_warm_cache_rebuilds_a_model_whose_config_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = "mean_pool"  # no model file to build: the config is the whole difference
+    config = tmp_path / "repository" / model / "config.pbtxt"
+    prepare_repository(tmp_path, models=[model], echo=lambda _: None)
+    added = 'parameters {\n  key: "dtype"\n  value: { string_value: "float32" }\n}\n'
+    changed = tuple(
+        dataclasses.replace(r, config=r.config + added) if r.name == model else r
+        for r in prepare.RECIPES
+    )
+    monkeypatch.setattr(prepare, "RECIPES", changed)
+    messages: list[str] = []
+    prepare_repository(tmp_path, models=[model], echo=messages.append)
+    assert f"{model}: up to date" not in messages
+    assert config.read_text(encoding="utf-8").endswith(added)
+
+
+def test_the_engine_never_rounds_float32_through_bfloat16(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "BF16")
+    with caplog.at_level(logging.WARNING, logger="services.inference.vllm"):
+        _pin_float_math()
+    assert os.environ["ONEDNN_DEFAULT_FPMATH_MODE"] == "STRICT"  # the engine's processes inherit it
+    assert [r.getMessage() for r in caplog.records] == [
+        "ONEDNN_DEFAULT_FPMATH_MODE=BF16 ignored: it would make float32 answers differ by CPU; "
+        "set the model's dtype parameter instead"
     ]
