@@ -174,6 +174,7 @@ class ModelManager:
             versions = self._versions.pop(name, None)
             if versions is None:
                 raise NotFound(f"model '{name}' is not loaded")
+            self._failed.pop(name, None)  # a failed reload's error: no longer why it is down
             self._set_ready(name, False)
         await asyncio.gather(*(v.unload() for v in versions.values()))
 
