@@ -167,10 +167,18 @@ def plan(
 ) -> tuple[list[ProcessSpec], ProcessSpec, list[ProcessSpec]]:
     """The stage processes, the orchestrator, and the edge (adapter, Envoy), with ports."""
     services = mesh.get("services") or {}
+    taken: set[int] = set()
+
+    def fresh_port() -> int:
+        # The kernel may hand a just-closed probe's port out again: never twice here.
+        while (port := free_port()) in taken:
+            pass
+        taken.add(port)
+        return port
 
     def ports(service: str, index: int) -> tuple[int, int]:
         if auto_ports:
-            return free_port(), free_port()
+            return fresh_port(), fresh_port()
         settings = services.get(service) or {}
         metrics = int(settings.get("metrics_port", -1))
         port = int(settings.get("grpc_port", settings.get("http_port", 0)))

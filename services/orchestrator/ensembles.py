@@ -62,8 +62,12 @@ class EnsembleRegistry:
             try:
                 if is_ensemble(self.repository.entry(name).config):
                     names.append(name)
-            except MeshError:
-                continue
+            except MeshError as exc:
+                # An ensemble whose config is wrong is listed with its error.
+                if self.repository.declared_backend(name) == "ensemble":
+                    self.failed[name] = exc.message
+                    self.plans.pop(name, None)
+                    names.append(name)
         return names
 
     async def load_all(self) -> None:
@@ -86,7 +90,7 @@ class EnsembleRegistry:
         """Validate and (re)load one ensemble; raises naming the step on error."""
         if config is None:
             if self.repository is None:
-                raise NotFound(f"unknown model '{name}'")
+                raise NotFound(f"Request for unknown model: '{name}' is not found")
             config = self.repository.entry(name).config
         try:
             models: dict[str, ModelIO] = {}
@@ -126,7 +130,10 @@ class EnsembleRegistry:
         """The plan, or None when ``name`` is not an ensemble; raises if it failed."""
         plan = self.plans.get(name)
         if plan is None and name in self.failed:
-            raise Unavailable(f"ensemble '{name}' is not loaded: {self.failed[name]}")
+            raise Unavailable(
+                f"Request for unknown model: '{name}' has no available versions: "
+                f"failed to load '{name}': {self.failed[name]}"
+            )
         return plan
 
     @contextlib.contextmanager

@@ -269,7 +269,7 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
     def _text_steps(self, model: str) -> TextSteps:
         plan = self.v2.ensembles.get(model)
         if plan is None and not self.v2.router.replicas(model):
-            raise NotFound(f"unknown model '{model}'")
+            raise NotFound(f"Request for unknown model: '{model}' is not found")
         if plan is None:
             raise InvalidArgument(f"model '{model}' is not an LLM pipeline (not an ensemble)")
         return text_steps(plan)
