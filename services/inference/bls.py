@@ -22,10 +22,11 @@ from opentelemetry import trace
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.channels import open_channels
-from shared.errors import FailedPrecondition, MeshError, NotFound, error_for_status
+from shared.errors import FailedPrecondition, MeshError, NotFound
 from shared.manager import ModelManager
 from shared.model import ModelVersion
 from shared.request import InferRequest, InferResponse
+from shared.rpc import remote, remote_stream
 from shared.servicer import EMPTY_FINAL_RESPONSE, is_final, until_final
 from shared.tensors import decode_outputs, encode_inputs, set_parameter
 
@@ -78,10 +79,8 @@ class ModelCaller:
         local = self._local(request)
         if local is not None:
             return await asyncio.wait_for(local.infer(request), timeout_s)
-        try:
+        with remote():
             answer = await self._stub().ModelInfer(_to_proto(request), timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise error_for_status(exc.code(), exc.details() or "") from exc
         return InferResponse(outputs=decode_outputs(answer))
 
     async def stream(
@@ -98,12 +97,11 @@ class ModelCaller:
         message.parameters[EMPTY_FINAL_RESPONSE].bool_param = True  # the end, said plainly
         call = self._stub().ModelStreamInfer(timeout=timeout_s)
         try:
-            await call.write(message)
-            await call.done_writing()
-            async for answer in until_final(_messages(call)):
+            with remote():
+                await call.write(message)
+                await call.done_writing()
+            async for answer in until_final(remote_stream(_messages(call))):
                 yield InferResponse(outputs=decode_outputs(answer), final=is_final(answer))
-        except grpc.aio.AioRpcError as exc:
-            raise error_for_status(exc.code(), exc.details() or "") from exc
         finally:
             call.cancel()
 
@@ -115,10 +113,11 @@ class ModelCaller:
         if self.orchestrator is None:
             return False
         try:
-            answer = await self._stub().ModelReady(
-                pb.ModelReadyRequest(name=name, version=version), timeout=10
-            )
-        except grpc.aio.AioRpcError:
+            with remote():
+                answer = await self._stub().ModelReady(
+                    pb.ModelReadyRequest(name=name, version=version), timeout=10
+                )
+        except MeshError:
             return False
         return bool(answer.ready)
 
@@ -142,10 +141,8 @@ class ModelCaller:
 
     @staticmethod
     async def _admin(call: Any) -> None:
-        try:
+        with remote():
             await call
-        except grpc.aio.AioRpcError as exc:
-            raise error_for_status(exc.code(), exc.details() or "") from exc
 
     def _local(self, request: InferRequest) -> ModelVersion | None:
         """The version on this stage that serves ``request``; None: ask the orchestrator."""
