@@ -5,39 +5,38 @@ per core (``VLLM_CPU_OMP_THREADS_BIND``, "auto" by default) and leaves the
 other cores to the serving side, but nothing keeps the serving side away: the
 kernel runs the orchestrator, the stages, Envoy and vLLM's own spinning
 scheduler process on the worker's cores too, and every such slice stalls the
-worker, which sets the pace of every stream. Measured on a 2-core box (16 chat
-streams x 64 tokens): ~49 tok/s with the mesh anywhere, ~52 with it kept off
-the worker's core.
+worker, which sets the pace of every stream (docs/performance.md has the
+measurements).
+
+Which cores an engine may take, how it shows the cores it bound, and which
+the mesh keeps are one contract, written in shared/engine_cores.py; this
+module is its placement side, the vLLM backend its engine side.
 
 A pass (``CorePlacer.place``) finds the *bound* processes among the mesh's
 descendants: those whose OpenMP threads are bound (the binding is in their
-environment) to fewer cores than the supervisor may use. While they are busy
-and the rest of the mesh is busy too (``BusyRule``), every other thread of
-the mesh is allowed only the cores they do not use; otherwise every core, so
-an idle LLM does not take a core from the image models beside it, and the
-placement holds through requests a few seconds apart.
+environment) to fewer cores than the mesh's. While they are busy and the rest
+of the mesh is busy too (``BusyRule``), every other thread of the mesh is
+allowed only the cores they do not use; otherwise every core, so an idle LLM
+does not take a core from the image models beside it, and the placement
+holds through requests a few seconds apart.
 
 Both sides must be busy because the contention goes both ways. A worker
 keeps its core after each step (vLLM's CPU worker polls for its next step
 for a second), so lone requests a few seconds apart count as a busy engine;
-kept to the other core, the mesh then ran a lone chat request's ~8 ms of
-stage hops on one core, and its first token came ~3 ms later (2-core host,
-15 lone chats). A mesh that serves a steady stream of tokens, on the other
-hand, spills onto the worker's core and slows every step. A model loaded
-later spawns its engine from a thread that may have been narrowed; the vLLM
-backend widens that thread first (see services/inference/vllm.py). On GPU
-hosts nothing is bound, so a pass changes nothing; nor does it where the
-bound processes use every core.
+kept to the other core, a lone request's stage hops would wait behind each
+other on fewer cores and its first token would come later. A mesh that serves
+a steady stream of tokens, on the other hand, spills onto the worker's core
+and slows every step. A model loaded later spawns its engine from a thread
+that may have been narrowed: by the contract, the stage starts it on
+``MESHSERVE_ENGINE_CORES``. On GPU hosts nothing is bound, so a pass changes
+nothing; nor does it where the bound processes use every core.
 
 The process that drives a bound worker (its parent: vLLM's engine core) waits
-for each step by polling, at ~90% of a core while the worker computes, and
+for each step by polling, at most of a core while the worker computes, and
 every hop of a token on its way through the mesh then waits for a slice of a
 core beside it. A pass therefore lowers that driver's priority
 (``DRIVER_NICE``): its polling gives way at once to any thread of the mesh
-with work to do, and it has the core whenever they have none. On a 2-core
-host, lone 16-token chats then spent 14.8 / 16.8 ms (two runs) outside the
-engine core through Envoy's gRPC port and 18.4 / 21.2 ms through the OpenAI
-API, against 19.3 and 23.3 ms before (``loadtests/bench_llm.py``, 30 probes).
+with work to do, and it has the core whenever they have none.
 """
 
 from __future__ import annotations
@@ -51,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.local.procfs import descendants, parent_pid, process_cpu_seconds, start_ticks, tasks
+from shared.engine_cores import binds_openmp
 
 DRIVER_NICE = 10
 """The nice value a pass gives a bound worker's parent (vLLM's polling engine core)."""
@@ -81,8 +81,8 @@ class Placement:
 class BusyRule:
     """When the bound processes count as busy: quick to engage, slow to release.
 
-    Any generation (a lone prompt's prefill is ~0.4 s of the worker's core)
-    engages within a second; only ``release_window_s`` of near idleness
+    Any generation (even a lone prompt's prefill keeps the worker's core busy
+    for much of a second) engages within a second; only ``release_window_s`` of near idleness
     releases, so requests a few seconds apart do not move every thread of the
     mesh back and forth each time.
     """
@@ -207,9 +207,6 @@ MIN_WINDOW_S = 0.5
 """Shortest time over which the engines' CPU use is judged."""
 MIN_SAMPLE_GAP_S = 0.2
 """Samples closer than this replace the previous one."""
-# Set in a process's environment by whoever binds its OpenMP threads (vLLM sets
-# the first, or one of the others when it finds GNU or Intel OpenMP preloaded).
-_OPENMP_BINDING = (b"OMP_PLACES=", b"GOMP_CPU_AFFINITY=", b"KMP_AFFINITY=")
 
 
 def _lower_priority(pid: int) -> int:
@@ -233,4 +230,4 @@ def _binds_openmp(pid: int) -> bool:
         environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return False
-    return any(item.startswith(_OPENMP_BINDING) for item in environment)
+    return binds_openmp(environment)

@@ -11,7 +11,8 @@ new work reaches the stages, then the stages, each by its own PID.
 
 While a CPU engine that bound its worker to some cores is busy, the rest of
 the mesh is kept off those cores (``cpu_placement: auto``; see
-deploy/local/placement.py).
+deploy/local/placement.py). Every process learns which cores its engines may
+take from ``MESHSERVE_ENGINE_CORES`` (the contract in shared/engine_cores.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 import yaml
 
 from deploy.local.placement import CorePlacer, Placement
+from shared.engine_cores import ENGINE_CORES_ENV, engine_cores, format_cores
 
 READY_MARKER = "MESHSERVE_READY"
 MESH_READY_MARKER = "MESHSERVE_MESH_READY"
@@ -81,6 +83,8 @@ class ManagedProcess:
     spec: ProcessSpec
     config: Path
     backoff: tuple[float, float]
+    environment: dict[str, str] = field(default_factory=dict)
+    """Set in the process's environment, over the supervisor's own."""
     proc: asyncio.subprocess.Process | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     restarts: int = 0
@@ -109,7 +113,7 @@ class ManagedProcess:
             delay = min(delay * 2, self.backoff[1])
 
     async def _start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **self.environment, "PYTHONUNBUFFERED": "1"}
         self.proc = await asyncio.create_subprocess_exec(
             *self.spec.command(self.config),
             stdout=asyncio.subprocess.PIPE,
@@ -261,15 +265,16 @@ async def supervise(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    managed = [
-        ManagedProcess(s, args.config, (float(backoff[0]), float(backoff[1]))) for s in stage_specs
-    ]
-    orchestrator = ManagedProcess(
-        orchestrator_spec, args.config, (float(backoff[0]), float(backoff[1]))
-    )
-    edge = [
-        ManagedProcess(s, args.config, (float(backoff[0]), float(backoff[1]))) for s in edge_specs
-    ]
+    cores = engine_cores()
+
+    def managed_group(specs: Sequence[ProcessSpec]) -> list[ManagedProcess]:
+        environment = {ENGINE_CORES_ENV: format_cores(cores)}
+        delays = (float(backoff[0]), float(backoff[1]))
+        return [ManagedProcess(spec, args.config, delays, environment) for spec in specs]
+
+    managed = managed_group(stage_specs)
+    [orchestrator] = managed_group([orchestrator_spec])
+    edge = managed_group(edge_specs)
     tasks: list[asyncio.Task[None]] = []
     try:
         # Inside out: stages, then the orchestrator, then the edge; each group
@@ -280,7 +285,8 @@ async def supervise(args: argparse.Namespace) -> int:
                 return 1
         _announce(orchestrator, [*managed, *edge], args.model_repository.expanduser().resolve())
         if settings.get("cpu_placement", "auto") == "auto":
-            tasks.append(asyncio.create_task(_keep_placed([*managed, orchestrator, *edge])))
+            processes = [*managed, orchestrator, *edge]
+            tasks.append(asyncio.create_task(_keep_placed(processes, cores)))
         await stop.wait()
         log("stopping the mesh")
         return 0
@@ -294,7 +300,9 @@ async def supervise(args: argparse.Namespace) -> int:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _keep_placed(processes: Sequence[ManagedProcess]) -> None:
+async def _keep_placed(
+    processes: Sequence[ManagedProcess], cores: frozenset[int] | None = None
+) -> None:
     """Keep the mesh off a busy CPU engine's cores (deploy/local/placement.py).
 
     Every ``PLACEMENT_LOOK_S`` the engines' CPU time is read; a change between
@@ -303,7 +311,7 @@ async def _keep_placed(processes: Sequence[ManagedProcess]) -> None:
     that fails is logged (once while the same error repeats) and the next look
     tries again: stopping would leave the mesh as the last pass put it.
     """
-    placer = CorePlacer(frozenset(os.sched_getaffinity(0)))
+    placer = CorePlacer(cores or engine_cores())
     last: frozenset[int] = frozenset()
     failed = ""
     for tick in itertools.count():

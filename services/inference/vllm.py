@@ -54,6 +54,7 @@ from prometheus_client.registry import Collector
 
 from services.inference.vllm_settings import EngineSettings, Sampling, dtype_name, log_dtype
 from shared.backend import InstanceSpec, ModelSpec
+from shared.engine_cores import engine_cores, enter_engine_cores
 from shared.errors import ConfigError, InvalidArgument, MeshError, Overloaded, Unavailable
 from shared.request import InferRequest, InferResponse
 
@@ -261,7 +262,7 @@ class VllmInstance:
     ) -> None:
         self.spec = spec
         self.cores = cores
-        """Cores the engine's processes may use (the service's at start; empty: as is)."""
+        """Cores the engine's processes may take (shared/engine_cores.py; empty: as is)."""
         self.settings = EngineSettings.from_spec(spec)
         _prepare_environment()
         # Imports vllm (seconds): we are in a worker thread.
@@ -443,12 +444,10 @@ async def _build_engine(
 
     def build() -> AsyncLLM:
         # The engine's processes are spawned from this thread and inherit its
-        # cores. The local supervisor may have narrowed them to keep the mesh
-        # off a CPU worker's cores (deploy/local/placement.py); a new engine
-        # must be free to bind its worker anywhere the service could at start.
-        if cores:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(0, cores)
+        # cores, which the local supervisor's placement may have narrowed; by
+        # the contract in shared/engine_cores.py the engine starts on the cores
+        # engines may take, and binds its worker among them.
+        enter_engine_cores(cores)
         return AsyncLLM.from_engine_args(args, stat_loggers=loggers)
 
     loop = asyncio.get_running_loop()
@@ -500,8 +499,8 @@ class VllmBackend:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry
-        self.cores = frozenset(os.sched_getaffinity(0))
-        """The cores this service started with: every engine it builds may use them."""
+        self.cores = engine_cores()
+        """The cores every engine it builds may take (shared/engine_cores.py)."""
         self._metrics: LlmMetrics | None = None
         self._lock = threading.Lock()
 
