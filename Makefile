@@ -67,8 +67,9 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -x tests/unit
 
 # Every service as its own process (ports in $(MESH)); Ctrl-C stops them all.
-run: models
-	$(PY) -m deploy.local.supervisor --model-repository $(CACHE)/repository --config $(MESH)
+# `meshserve serve` without a repository prepares the default models first.
+run: $(STAMP)
+	MESHSERVE_CACHE=$(CACHE) $(VENV)/bin/meshserve serve --config $(MESH)
 
 bench: models
 	MESHSERVE_CACHE=$(CACHE) $(PY) loadtests/bench_inference.py

@@ -397,18 +397,18 @@ def _announce(
     print(f"{MESH_READY_MARKER} {json.dumps(info)}", flush=True)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """Command-line flags of the supervisor."""
-    parser = argparse.ArgumentParser(
-        prog="meshserve-local",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(parser: argparse.ArgumentParser, repository_default: str = "") -> None:
+    """The supervisor's flags, on ``parser`` (``meshserve serve`` shares them).
+
+    ``repository_default`` says what an omitted ``--model-repository`` means;
+    empty: the flag is required.
+    """
     parser.add_argument(
         "--model-repository",
         type=Path,
-        required=True,
-        help="Triton-layout model repository every stage serves from (required)",
+        required=not repository_default,
+        help="Triton-layout model repository every stage serves from "
+        f"({repository_default or 'required'})",
     )
     parser.add_argument(
         "--config",
@@ -441,12 +441,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="seconds each group of services may take to become ready before the mesh gives "
         "up (default: %(default)s)",
     )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Command-line flags of the supervisor."""
+    parser = argparse.ArgumentParser(
+        prog="meshserve-local",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
     return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the mesh that ``args`` (the flags of ``add_arguments``) describe; the exit status."""
+    return asyncio.run(supervise(args))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the local mesh until SIGTERM or Ctrl-C."""
-    raise SystemExit(asyncio.run(supervise(parse_args(argv))))
+    raise SystemExit(run(parse_args(argv)))
 
 
 if __name__ == "__main__":
