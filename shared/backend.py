@@ -88,8 +88,8 @@ class BackendInstance(Protocol):
 class QuickInstance(Protocol):
     """A backend instance whose small requests may run on the event loop.
 
-    Handing a batch to the instance's thread and back costs ~0.3-0.5 ms of
-    latency on a busy 2-core host; for work smaller than that (a short chat
+    Handing a batch to the instance's thread and back costs a fixed latency
+    (docs/performance.md); for work smaller than that (a short chat
     template, a detokenizer step) the hop is most of the request. Only the
     project's own bounded stage backends implement this; model code (pytorch,
     onnxruntime, python) always runs in its thread.

@@ -12,7 +12,8 @@ The request path, one line per step::
 Without dynamic batching, a request that finds nothing queued and an idle
 instance that calls it cheap (an ``ImmediateInstance``: a tokenizer's short text)
 skips the queue: it runs at once in the caller's task, which saves the worker's
-wake-up and the future's hand-off (~0.3 ms of a ~1.3 ms stage message).
+wake-up and the future's hand-off, a sizeable share of a short stage message
+(docs/performance.md).
 
 Batch planning follows Triton's ``GetDynamicBatch``: walk the queues in priority
 order from the head and keep requests while they have the head's shape key and the

@@ -236,7 +236,7 @@ class Metrics:
 
 class _VersionSeries:
     """One model version's series of every metric, looked up once (a labels()
-    lookup per request and metric cost a stage ~0.1 ms per request)."""
+    lookup per request and metric is a cost every request would pay)."""
 
     def __init__(self, metrics: Metrics, labels: tuple[str, str]) -> None:
         self._failure = metrics.failure

@@ -2,15 +2,18 @@
 
 The request path, one module each::
 
-    app.py        aiohttp routes, errors, tracing, draining (thin)
+    app.py        aiohttp routes (thin), composed with...
+      middleware.py  one middleware per concern: metrics, span, error map, drain gate
       |
     rest.py       inference: JSON tensors / binary extension <-> ModelInferRequest
       json_tensors.py   JSON ``data`` <-> raw little-endian bytes, checked per datatype
     documents.py  everything else: v2 protos <-> the spec's JSON documents
+    generate.py   Triton's generate extension over a pipeline's ModelStreamInfer
     openai.py     /v1/chat/completions, /v1/completions, /v1/models, /v1/embeddings
       openai_documents.py  OpenAI JSON <-> meshserve.v1 Chat/Generate/Embed (pure)
+    sse.py        the one SSE writer and the one pump from a gRPC stream into it
       |
-    upstream.py   the orchestrator over a small pool of grpc.aio channels
+    upstream.py   the orchestrator's typed v2 and meshserve.v1 calls over a pool of channels
 
 ``main.py`` holds the config and ``serve``:
 ``python -m gateway.http.main --orchestrator 127.0.0.1:8001 --http-port 8007``.

@@ -1,36 +1,29 @@
 """The aiohttp application: KServe v2 REST and OpenAI routes over the orchestrator.
 
-Handlers are translation only (path -> proto request -> ``Upstream.call`` ->
-JSON document). One middleware does what every route shares: the server span
-(continuing the caller's W3C ``traceparent``), refusing work while draining,
-request metrics, and errors: a ``MeshError`` answers with its class's
-``http_status`` and ``{"error": message}``, an aiohttp HTTP error (unknown
-route, wrong method) with its own status, anything else with 500 and a
-generic message while the traceback goes to the log. Under ``/v1/`` (the
-OpenAI-compatible API, ``openai.py``) the same statuses carry OpenAI's error
-body, ``{"error": {"message", "type", "param", "code"}}``.
+Handlers are translation only (path -> proto request -> a typed ``Upstream``
+call -> JSON document). What every route shares (metrics, the server span,
+the error map, the drain gate) is a list of middlewares, one concern each
+(``middleware.py``); handlers raise ``shared.errors`` and never build an
+error answer themselves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from aiohttp import web
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from gateway.http import documents, generate, openai, rest
-from gateway.http.upstream import Upstream
+from gateway.http import documents, generate, middleware, openai, rest
+from gateway.http.upstream import MeshClient, Upstream
 from inference import grpc_service_pb2 as pb
-from shared.errors import GENERIC_INTERNAL_MESSAGE, MeshError, Unavailable, Unimplemented
+from shared.errors import MeshError, Unimplemented
 from shared.protojson import to_json
-from shared.tracing import extract_context
 
 log = logging.getLogger(__name__)
 
@@ -79,60 +72,6 @@ def _json(document: Any, status: int = 200) -> web.Response:
     return web.json_response(document, status=status)
 
 
-def _error(
-    request: web.Request, status: int, message: str, exc: BaseException | None = None
-) -> web.Response:
-    if openai.speaks_openai(request.path):
-        return openai.error_response(status, message, exc)
-    return _json({"error": message}, status)
-
-
-def _http_message(request: web.Request, exc: web.HTTPException) -> str:
-    if exc.status == 404:
-        return f"no route for {request.method} {request.path}"
-    if exc.status == 405:
-        return f"{request.method} is not allowed on {request.path}"
-    return exc.text or exc.reason
-
-
-async def _answer(request: web.Request, handler: Any, state: AdapterState) -> web.StreamResponse:
-    try:
-        if state.draining and not request.path.startswith("/v2/health/"):
-            raise Unavailable("the HTTP adapter is shutting down; retry on another replica")
-        response: web.StreamResponse = await handler(request)
-        return response
-    except MeshError as exc:
-        return _error(request, exc.http_status, exc.message, exc)
-    except web.HTTPException as exc:
-        return _error(request, exc.status, _http_message(request, exc))
-    except Exception:
-        log.exception("unexpected error in %s %s", request.method, request.path)
-        return _error(request, 500, GENERIC_INTERNAL_MESSAGE)
-
-
-@web.middleware
-async def front(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Span, drain check, metrics and the error map around every route."""
-    state = request.app[STATE]
-    resource = request.match_info.route.resource
-    route = resource.canonical if resource is not None else "unmatched"
-    started = time.perf_counter()
-    carrier = [(key.lower(), value) for key, value in request.headers.items()]
-    with state.tracer.start_as_current_span(
-        f"{request.method} {route}",
-        context=extract_context(carrier),
-        kind=SpanKind.SERVER,
-        attributes={"http.request.method": request.method, "http.route": route},
-    ) as span:
-        response = await _answer(request, handler, state)
-        span.set_attribute("http.response.status_code", response.status)
-        if response.status >= 500:
-            span.set_status(Status(StatusCode.ERROR))
-    state.requests.labels(request.method, route, str(response.status)).inc()
-    state.latency.labels(request.method, route).observe(time.perf_counter() - started)
-    return response
-
-
 def _model(request: web.Request) -> tuple[str, str]:
     return request.match_info["name"], request.match_info.get("version", "")
 
@@ -153,8 +92,8 @@ async def _read_body(request: web.Request) -> bytes:
     return await _offload(len(body), rest.decode_body, body, encoding, limit)
 
 
-async def _call(request: web.Request, method: str, message: Any) -> Any:
-    return await request.app[STATE].upstream.call(method, message)
+def _upstream(request: web.Request) -> Upstream:
+    return request.app[STATE].upstream
 
 
 def _readiness(ready: bool, reason: str) -> web.Response:
@@ -172,7 +111,7 @@ async def server_ready(request: web.Request) -> web.Response:
     if request.app[STATE].draining:
         return _readiness(False, "the HTTP adapter is shutting down")
     try:
-        answer = await _call(request, "ServerReady", pb.ServerReadyRequest())
+        answer = await _upstream(request).server_ready()
     except MeshError as exc:
         return _readiness(False, exc.message)
     return _readiness(answer.ready, "the orchestrator is not ready")
@@ -189,15 +128,15 @@ async def vllm_health(request: web.Request) -> web.Response:
 
 async def server_metadata(request: web.Request) -> web.Response:
     """GET /v2."""
-    answer = await _call(request, "ServerMetadata", pb.ServerMetadataRequest())
+    answer = await _upstream(request).server_metadata()
     return _json(to_json(answer))
 
 
 async def model_metadata(request: web.Request) -> web.Response:
     """GET /v2/models/{name}[/versions/{version}]."""
     name, version = _model(request)
-    answer = await _call(
-        request, "ModelMetadata", pb.ModelMetadataRequest(name=name, version=version)
+    answer = await _upstream(request).model_metadata(
+        pb.ModelMetadataRequest(name=name, version=version)
     )
     return _json(to_json(answer))
 
@@ -205,14 +144,16 @@ async def model_metadata(request: web.Request) -> web.Response:
 async def model_ready(request: web.Request) -> web.Response:
     """GET /v2/models/{name}[/versions/{version}]/ready."""
     name, version = _model(request)
-    answer = await _call(request, "ModelReady", pb.ModelReadyRequest(name=name, version=version))
+    answer = await _upstream(request).model_ready(pb.ModelReadyRequest(name=name, version=version))
     return _readiness(answer.ready, f"model '{name}' is not ready")
 
 
 async def model_config(request: web.Request) -> web.Response:
     """GET /v2/models/{name}[/versions/{version}]/config."""
     name, version = _model(request)
-    answer = await _call(request, "ModelConfig", pb.ModelConfigRequest(name=name, version=version))
+    answer = await _upstream(request).model_config(
+        pb.ModelConfigRequest(name=name, version=version)
+    )
     return _json(documents.model_config(answer))
 
 
@@ -220,35 +161,35 @@ async def model_statistics(request: web.Request) -> web.Response:
     """GET /v2/models[/{name}[/versions/{version}]]/stats."""
     name = request.match_info.get("name", "")
     message = pb.ModelStatisticsRequest(name=name, version=request.match_info.get("version", ""))
-    answer = await _call(request, "ModelStatistics", message)
+    answer = await _upstream(request).model_statistics(message)
     return _json(to_json(answer))
 
 
 async def repository_index(request: web.Request) -> web.Response:
     """POST /v2/repository/index."""
     message = documents.index_request(await _read_body(request))
-    answer = await _call(request, "RepositoryIndex", message)
+    answer = await _upstream(request).repository_index(message)
     return _json(documents.repository_index(answer))
 
 
 async def model_load(request: web.Request) -> web.Response:
     """POST /v2/repository/models/{name}/load."""
     message = documents.load_request(request.match_info["name"], await _read_body(request))
-    await _call(request, "RepositoryModelLoad", message)
+    await _upstream(request).load(message)
     return _json({})
 
 
 async def model_unload(request: web.Request) -> web.Response:
     """POST /v2/repository/models/{name}/unload."""
     message = documents.unload_request(request.match_info["name"], await _read_body(request))
-    await _call(request, "RepositoryModelUnload", message)
+    await _upstream(request).unload(message)
     return _json({})
 
 
 async def log_settings(request: web.Request) -> web.Response:
     """GET (read) or POST (change) /v2/logging: the orchestrator's log settings."""
     body = await _read_body(request) if request.method == "POST" else b""
-    answer = await _call(request, "LogSettings", documents.log_settings_request(body))
+    answer = await _upstream(request).log_settings(documents.log_settings_request(body))
     return _json(documents.log_settings(answer))
 
 
@@ -256,7 +197,7 @@ async def trace_settings(request: web.Request) -> web.Response:
     """GET (read) or POST (change) /v2[/models/{name}]/trace/setting."""
     body = await _read_body(request) if request.method == "POST" else b""
     message = documents.trace_settings_request(request.match_info.get("name", ""), body)
-    answer = await _call(request, "TraceSetting", message)
+    answer = await _upstream(request).trace_setting(message)
     return _json(documents.trace_settings(answer))
 
 
@@ -274,7 +215,7 @@ async def infer(request: web.Request) -> web.Response:
     body = await _read_body(request)
     header_length = request.headers.get(rest.HEADER_LENGTH)
     call = await _offload(len(body), rest.parse_infer, name, version, body, header_length)
-    answer: pb.ModelInferResponse = await _call(request, "ModelInfer", call.request)
+    answer = await _upstream(request).model_infer(call.request)
     size = sum(len(raw) for raw in answer.raw_output_contents)
     payload, json_length = await _offload(size, rest.render_infer, call, answer)
     if json_length is None:
@@ -290,7 +231,13 @@ async def infer(request: web.Request) -> web.Response:
 def build_app(state: AdapterState) -> web.Application:
     """The routes of the KServe v2 REST API (with Triton's extensions, generate among
     them) and the OpenAI API."""
-    app = web.Application(middlewares=[front], client_max_size=state.max_body_bytes)
+    layers = [
+        middleware.measuring(state.requests, state.latency),
+        middleware.tracing(state.tracer),
+        middleware.errors,
+        middleware.drain_gate(lambda: state.draining),
+    ]
+    app = web.Application(middlewares=layers, client_max_size=state.max_body_bytes)
     app[STATE] = state
     model = "/v2/models/{name}"
     version = "/v2/models/{name}/versions/{version}"
@@ -321,5 +268,5 @@ def build_app(state: AdapterState) -> web.Application:
     app.router.add_post("/v2/repository/models/{name}/load", model_load)
     app.router.add_post("/v2/repository/models/{name}/unload", model_unload)
     generate.GenerateApi(state.upstream, _read_body).add_routes(app.router)
-    openai.OpenAIApi(openai.MeshClient(state.upstream), _read_body).add_routes(app.router)
+    openai.OpenAIApi(MeshClient(state.upstream), _read_body).add_routes(app.router)
     return app

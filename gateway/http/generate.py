@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from aiohttp import web
 
+from gateway.http import sse
 from gateway.http.documents import json_object
 from gateway.http.openai_documents import InvalidParam, kind, sampling_params
 from gateway.http.upstream import Upstream
@@ -80,6 +81,10 @@ class GenerateCall:
     """False: generate_stream answers in one event."""
     echo: bool
     """A whole answer starts with the prompt."""
+
+    def whole(self, text: str) -> str:
+        """The whole answer of a generation that produced ``text``."""
+        return self.prompt + text if self.echo else text
 
 
 def _switch(body: Mapping[str, Any], parameters: Mapping[str, Any], name: str) -> bool | None:
@@ -171,10 +176,10 @@ class Answer:
         text = _decoded(_first(outputs, "TEXT_DELTA"))
         self.text += text
         self.finish_reason = _decoded(_first(outputs, "FINISH_REASON")) or self.finish_reason
-        for field in ("prompt_tokens", "completion_tokens"):
-            count = _first(outputs, field.upper())
+        for counted in ("prompt_tokens", "completion_tokens"):
+            count = _first(outputs, counted.upper())
             if count is not None:
-                setattr(self, field, int(count))
+                setattr(self, counted, int(count))
         return text
 
     def document(self, text: str, last: bool) -> dict[str, Any]:
@@ -195,8 +200,35 @@ def _decoded(value: Any) -> str:
     return "" if value is None else bytes(value).decode(errors="replace")
 
 
-def _event(document: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(document).encode() + b"\n\n"
+@dataclass
+class _Events:
+    """A generate_stream answer as SSE: an event per new text, the last with how it
+    ended; without streaming, one event with the whole answer."""
+
+    call: GenerateCall
+    answer: Answer = field(default_factory=Answer)
+    ended: bool = False
+    trailer: bytes = b""
+
+    def documents(self, response: pb.ModelInferResponse) -> list[dict[str, Any]]:
+        """The event of one response, if it says anything new."""
+        text = self.answer.absorb(response)
+        # The event that brings the finish reason is the last (a response after
+        # it with no text adds nothing).
+        if not self.call.stream or not (text or (self.answer.finish_reason and not self.ended)):
+            return []
+        self.ended = bool(self.answer.finish_reason)
+        return [self.answer.document(text, last=self.ended)]
+
+    def closing(self) -> list[dict[str, Any]]:
+        """Without streaming, the whole answer."""
+        if self.call.stream:
+            return []
+        return [self.answer.document(self.call.whole(self.answer.text), last=True)]
+
+    def failed(self, error: MeshError) -> dict[str, Any]:
+        """The error as Triton sends it mid-stream."""
+        return {"error": error.message}
 
 
 class GenerateApi:
@@ -218,51 +250,16 @@ class GenerateApi:
         async with contextlib.aclosing(self.upstream.stream_infer(call.request)) as responses:
             async for response in responses:
                 answer.absorb(response)
-        text = call.prompt + answer.text if call.echo else answer.text
-        return web.json_response(answer.document(text, last=True))
+        return web.json_response(answer.document(call.whole(answer.text), last=True))
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
         """POST .../generate_stream: an SSE event per response (one, if not streaming)."""
         call = await self._call(request)
-        answer = Answer()
         async with contextlib.aclosing(self.upstream.stream_infer(call.request)) as responses:
             # Errors raised before the first response still get their own HTTP status.
             first = await anext(responses, None)
-            response = web.StreamResponse(
-                headers={"Content-Type": "text/event-stream; charset=utf-8"}
-            )
-            await response.prepare(request)
-            # A write fails once the client has gone; leaving the block then
-            # closes ``responses``, which cancels the generation.
-            with contextlib.suppress(ConnectionResetError):
-                await self._pump(response, call, answer, first, responses)
-            return response
-
-    async def _pump(
-        self,
-        response: web.StreamResponse,
-        call: GenerateCall,
-        answer: Answer,
-        first: pb.ModelInferResponse | None,
-        rest: AsyncIterator[pb.ModelInferResponse],
-    ) -> None:
-        try:
-            pending, ended = first, False
-            while pending is not None:
-                text = answer.absorb(pending)
-                # Each text as it comes; the event that brings the finish reason
-                # is the last (a response after it with no text adds nothing).
-                if call.stream and (text or (answer.finish_reason and not ended)):
-                    ended = bool(answer.finish_reason)
-                    await response.write(_event(answer.document(text, last=ended)))
-                pending = await anext(rest, None)
-            if not call.stream:
-                whole = call.prompt + answer.text if call.echo else answer.text
-                await response.write(_event(answer.document(whole, last=True)))
-        except MeshError as exc:
-            # The status line has gone out already: the error travels as an event.
-            await response.write(_event({"error": exc.message}))
-        await response.write_eof()
+            content_type = "text/event-stream; charset=utf-8"
+            return await sse.respond(request, _Events(call), first, responses, content_type)
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         """Mount the routes beside the KServe v2 ones."""

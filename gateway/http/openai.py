@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-import grpc
 from aiohttp import web
 
+from gateway.http import sse
 from gateway.http.openai_documents import (
     Generation,
     chat_request,
@@ -47,9 +46,8 @@ from gateway.http.openai_documents import (
     tokenize_document,
     tokenize_request,
 )
-from gateway.http.upstream import Upstream
+from gateway.http.upstream import MeshClient
 from meshserve.v1 import meshserve_pb2 as api
-from meshserve.v1 import meshserve_pb2_grpc as api_grpc
 from shared import jsontext
 from shared.errors import InvalidArgument, MeshError, NotFound
 
@@ -70,83 +68,27 @@ _INLINE_BYTES = 256 * 1024
 BodyReader = Callable[[web.Request], Awaitable[bytes]]
 
 
-class MeshClient:
-    """``meshserve.v1.MeshService`` over the adapter's channels to the orchestrator."""
+@dataclass
+class _Chunks:
+    """A streamed (chat) completion as SSE: its chunks, the usage if asked, ``[DONE]``."""
 
-    def __init__(self, upstream: Upstream) -> None:
-        # The KServe v2 client's pool: same connections, tracing interceptors and deadline.
-        self._upstream = upstream
-        stubs = [api_grpc.MeshServiceStub(c) for c in upstream.channels]  # type: ignore[no-untyped-call]
-        self._next = itertools.cycle(stubs)
+    generation: Generation
+    trailer: bytes = sse.DONE
+    opened: bool = False
 
-    async def call(self, method: str, request: Any) -> Any:
-        """A unary ``MeshService/<method>``; a failure raises its MeshError."""
-        stub = next(self._next)
-        try:
-            return await getattr(stub, method)(request, timeout=self._upstream.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise self._upstream.failure(exc) from exc
+    def documents(self, delta: api.TextDelta) -> list[dict[str, Any]]:
+        """The chunks of ``delta``; a chat's first ones follow its role chunk."""
+        opening = [self.generation.chunk(None)] if self.generation.chat and not self.opened else []
+        self.opened = True
+        return [*opening, *self.generation.chunks(delta)]
 
-    async def deltas(self, method: str, request: Any) -> AsyncGenerator[api.TextDelta, None]:
-        """The TextDeltas of a streaming ``Chat`` or ``Generate``."""
-        call = getattr(next(self._next), method)(request, timeout=self._upstream.timeout_s)
-        try:
-            async for response in call:
-                yield response.delta
-        except grpc.aio.AioRpcError as exc:
-            raise self._upstream.failure(exc) from exc
-        finally:
-            # A no-op after the last delta; otherwise the client went away (or we
-            # failed), and cancelling the RPC makes the engine abort the generation.
-            call.cancel()
+    def closing(self) -> list[dict[str, Any]]:
+        """The usage chunk, when ``stream_options.include_usage``."""
+        return [self.generation.usage_chunk()] if self.generation.include_usage else []
 
-
-def _event(document: Any) -> bytes:
-    return b"data: " + json.dumps(document).encode() + b"\n\n"
-
-
-async def _send(response: web.StreamResponse, document: Any) -> None:
-    await response.write(_event(document))
-
-
-async def _pump(
-    response: web.StreamResponse,
-    generation: Generation,
-    first: api.TextDelta,
-    rest: AsyncIterator[api.TextDelta],
-) -> None:
-    try:
-        # The role chunk and the first text in one write: the first token is not
-        # held up behind a separate event's trip through Envoy to the client.
-        opening = [generation.chunk(None)] if generation.chat else []
-        await response.write(b"".join(map(_event, [*opening, *generation.chunks(first)])))
-        async for delta in rest:
-            for chunk in generation.chunks(delta):
-                await _send(response, chunk)
-        if generation.include_usage:
-            await _send(response, generation.usage_chunk())
-    except MeshError as exc:
-        # The status line has gone out already: the error travels as an event.
-        await _send(response, error_document(exc.http_status, exc.message, exc))
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-
-
-async def _sse(
-    request: web.Request,
-    generation: Generation,
-    first: api.TextDelta,
-    rest: AsyncIterator[api.TextDelta],
-) -> web.StreamResponse:
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
-    await response.prepare(request)
-    # A write fails once the client has closed the connection; returning then
-    # closes ``rest``, which cancels the generation.
-    with contextlib.suppress(ConnectionResetError):
-        await _pump(response, generation, first, rest)
-    return response
+    def failed(self, error: MeshError) -> dict[str, Any]:
+        """The error in OpenAI's shape."""
+        return error_document(error.http_status, error.message, error)
 
 
 async def _collect(
@@ -180,41 +122,44 @@ class OpenAIApi:
         return body
 
     async def _generate(
-        self, request: web.Request, method: str, message: Any, generation: Generation
+        self,
+        request: web.Request,
+        stream: AsyncGenerator[api.TextDelta, None],
+        generation: Generation,
     ) -> web.StreamResponse:
         # Leaving this block (done, failed, or cancelled when the client
         # disconnects) closes the stream, which cancels the RPC.
-        async with contextlib.aclosing(self.mesh.deltas(method, message)) as deltas:
+        async with contextlib.aclosing(stream) as deltas:
             # Errors raised before the first delta still get their own HTTP status.
             first = await anext(deltas, api.TextDelta(finish_reason="stop"))
             if generation.stream:
-                return await _sse(request, generation, first, deltas)
+                return await sse.respond(request, _Chunks(generation), first, deltas)
             return await _collect(generation, first, deltas)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions."""
         message, generation = chat_request(await self._body(request))
-        return await self._generate(request, "Chat", message, generation)
+        return await self._generate(request, self.mesh.chat(message), generation)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions."""
         message, generation = completion_request(await self._body(request))
-        return await self._generate(request, "Generate", message, generation)
+        return await self._generate(request, self.mesh.generate(message), generation)
 
     async def embeddings(self, request: web.Request) -> web.Response:
         """POST /v1/embeddings."""
         message, encoding, dimensions = embed_request(await self._body(request))
-        answer = await self.mesh.call("Embed", message)
+        answer = await self.mesh.embed(message)
         return web.json_response(embeddings_document(answer, encoding, dimensions))
 
     async def models(self, request: web.Request) -> web.Response:
         """GET /v1/models."""
-        answer = await self.mesh.call("ListModels", api.ListModelsRequest(ready_only=True))
+        answer = await self.mesh.list_models(api.ListModelsRequest(ready_only=True))
         return web.json_response(models_document(answer))
 
     async def model(self, request: web.Request) -> web.Response:
         """GET /v1/models/{model}."""
-        answer = await self.mesh.call("ListModels", api.ListModelsRequest(ready_only=True))
+        answer = await self.mesh.list_models(api.ListModelsRequest(ready_only=True))
         name = request.match_info["model"]
         for model in models_document(answer)["data"]:
             if model["id"] == name:
@@ -223,12 +168,12 @@ class OpenAIApi:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """POST /tokenize (vLLM's): the ids an LLM pipeline makes of a prompt or chat."""
-        answer = await self.mesh.call("Tokenize", tokenize_request(await self._body(request)))
+        answer = await self.mesh.tokenize(tokenize_request(await self._body(request)))
         return web.json_response(tokenize_document(answer))
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """POST /detokenize (vLLM's): token ids back to text."""
-        answer = await self.mesh.call("Detokenize", detokenize_request(await self._body(request)))
+        answer = await self.mesh.detokenize(detokenize_request(await self._body(request)))
         return web.json_response({"prompt": answer.text})
 
     def add_routes(self, router: web.UrlDispatcher) -> None:

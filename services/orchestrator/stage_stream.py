@@ -1,9 +1,7 @@
 """ModelStreamInfer calls to a stage replica, some opened ahead of their requests.
 
 Setting a stream up costs both ends far more than one more message on an open
-one. On a lone chat request (2-core host) the inference stage read the request
-2.8-4.3 ms after the orchestrator sent it on a new stream, ~1 ms on a stream
-opened earlier; a chat request opens three (tokenizer, generation,
+one (docs/performance.md has the figures); a chat request opens three (tokenizer, generation,
 detokenizer). So each replica keeps a few streams opened ahead, with no
 request yet (``Endpoint.spares``): a request takes one, and a new one is opened
 when a stream is released, after the request that used it.
@@ -82,7 +80,7 @@ class StageStream:
     def close(self) -> None:
         """End the stream cleanly and release it. (A cancel would interrupt the
         call's request writer mid-await, which gRPC logs with a formatted
-        traceback: ~0.3 ms per stream for nothing.)"""
+        traceback: CPU per stream for nothing.)"""
         self.done_sending()
         self._release()
 

@@ -57,8 +57,8 @@ _INPUTS = {
 _OUTPUTS = {TEXT_DELTA: (mc.TYPE_STRING, [1]), FINISH_REASON: (mc.TYPE_STRING, [1])}
 _INCOMPLETE = "\ufffd"  # what decoding makes of a UTF-8 sequence cut short
 INLINE_IDS = 512
-"""Requests with at most this many ids in all run on the event loop (~0.3 ms of
-decoding, less than the hop to the instance's thread)."""
+"""Requests with at most this many ids in all run on the event loop: decoding them
+costs less than the hop to the instance's thread (docs/performance.md)."""
 
 
 class IncrementalDecoder:

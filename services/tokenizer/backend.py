@@ -40,8 +40,9 @@ MESSAGES = "MESSAGES"
 OUTPUTS = ("input_ids", "attention_mask", "token_type_ids")
 REQUIRED_OUTPUTS = OUTPUTS[:2]
 INLINE_BYTES = 1024
-"""Requests with at most this much text in all run on the event loop (~0.5 ms
-of template and encoding, less than the hop to the instance's thread)."""
+"""Requests with at most this much text in all run on the event loop: their
+template and encoding cost less than the hop to the instance's thread
+(docs/performance.md)."""
 
 
 @dataclass(frozen=True)
