@@ -1,17 +1,33 @@
-"""Server and client interceptors: the one error map, tracing, and draining.
+"""Server and client interceptors, one concern each.
 
-Every RPC handler of every service is wrapped here, so no handler carries its
-own try/except: a ``MeshError`` becomes its gRPC status with its message; any
-other exception becomes INTERNAL with a generic message while the traceback
-goes to the log.
+The server composes three, outermost first (``shared.server``)::
+
+    ErrorInterceptor     a MeshError becomes its status with its message; any
+                         other exception becomes INTERNAL with a generic
+                         message while the traceback goes to the log
+    TracingInterceptor   the RPC's server span, continuing the caller's trace
+    DrainGate            refuses new RPCs while draining; counts those in flight
+
+so no handler carries its own try/except, a refused RPC still shows in its
+trace, and the gate counts only RPCs that reached a handler. Each wraps a
+handler without changing its kind: a streaming handler may be an async
+generator or a coroutine that writes with ``context.write`` (grpc's health
+Watch). A bidirectional stream starts its span and its in-flight count with its
+first request, not when it opens: the orchestrator keeps streams open ahead of
+their requests, and an idle one is no work to wait for.
+
+The client interceptors carry the trace to the next hop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import grpc
@@ -29,8 +45,10 @@ from shared.tracing import (
 
 log = logging.getLogger(__name__)
 
-Unary = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
-Streaming = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+Behavior = Callable[[Any, grpc.aio.ServicerContext], Any]
+"""A handler: a coroutine function, or an async generator function for streams."""
+Scope = Callable[[Any, grpc.aio.ServicerContext], AbstractAsyncContextManager[Any]]
+"""Runs around one call; yields the request (or request stream) to pass on."""
 
 # RPCs that keep working while the server drains, so probes see NOT_SERVING
 # instead of a refused call.
@@ -42,13 +60,8 @@ def _split(method: str) -> tuple[str, str]:
     return service.lstrip("/"), name
 
 
-class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Maps errors to statuses, opens a server span, counts in-flight RPCs, drains."""
-
-    def __init__(self, tracer: trace.Tracer) -> None:
-        self._tracer = tracer
-        self.in_flight = 0
-        self.draining = False
+class _HandlerWrapper(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Base of the server interceptors: wraps the handler the server found."""
 
     async def intercept_service(
         self,
@@ -58,185 +71,271 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         handler = await continuation(details)
         if handler is None:
             return None
-        method: str = details.method
-        ctx = extract_context(details.invocation_metadata)
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(handler.unary_unary, method, ctx),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._wrap_any(handler.unary_stream, method, ctx),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(
-                self._wrap_unary(handler.stream_unary, method, ctx),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        behavior = handler.stream_stream
-        return grpc.stream_stream_rpc_method_handler(
-            self._wrap_request_stream(behavior, method, ctx),
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        return _rewrapped(handler, functools.partial(self.wrap, details=details))
 
-    def _admit(self, method: str) -> bool:
-        """Refuse work while draining; True when the RPC counts as in flight."""
-        if method.startswith(_ALWAYS_ALLOWED_PREFIXES):
-            return False
-        if self.draining:
-            raise Unavailable("server is shutting down; retry on another replica")
-        self.in_flight += 1
-        return True
+    def wrap(
+        self, behavior: Behavior, bidirectional: bool, details: grpc.HandlerCallDetails
+    ) -> Behavior:
+        """The handler as this interceptor runs it."""
+        raise NotImplementedError
 
-    def _start_span(self, method: str, ctx: otel_context.Context) -> trace.Span:
-        service, name = _split(method)
-        return self._tracer.start_span(
-            method.lstrip("/"),
-            context=ctx,
-            kind=SpanKind.SERVER,
-            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
-        )
 
-    def _wrap_any(self, behavior: Any, method: str, ctx: otel_context.Context) -> Any:
-        # A streaming handler is either an async generator or a coroutine that
-        # writes with context.write() (grpc's health Watch); keep its kind.
-        if inspect.isasyncgenfunction(behavior):
-            return self._wrap_stream(behavior, method, ctx)
-        return self._wrap_unary(behavior, method, ctx)
+def _rewrapped(
+    handler: grpc.RpcMethodHandler, wrap: Callable[[Behavior, bool], Behavior]
+) -> grpc.RpcMethodHandler:
+    """``handler`` with its behaviour passed through ``wrap``, of the same call kind."""
+    codecs = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary, False), **codecs)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream, False), **codecs)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary, False), **codecs)
+    return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream, True), **codecs)
 
-    def _wrap_unary(self, behavior: Unary, method: str, ctx: otel_context.Context) -> Unary:
-        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            span = self._start_span(method, ctx)
-            token = otel_context.attach(trace.set_span_in_context(span))
-            counted = False
-            try:
-                counted = self._admit(method)
-                return await behavior(request, context)
-            except BaseException as exc:
-                await _abort(context, span, exc, method)
-                raise
-            finally:
-                self.in_flight -= counted
-                otel_context.detach(token)
-                span.end()
 
-        return wrapped
+def around(behavior: Behavior, scope: Scope) -> Behavior:
+    """``behavior`` run inside ``scope``, still a generator if it was one."""
+    if inspect.isasyncgenfunction(behavior):
 
-    def _wrap_stream(self, behavior: Streaming, method: str, ctx: otel_context.Context) -> Any:
-        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            span = self._start_span(method, ctx)
-            span_ctx = trace.set_span_in_context(span)
-            counted = False
-            try:
-                counted = self._admit(method)
-                async for item in iterate_in_context(span_ctx, behavior(request, context)):
-                    yield item
-            except BaseException as exc:
-                await _abort(context, span, exc, method)
-                raise
-            finally:
-                self.in_flight -= counted
-                span.end()
-
-        return wrapped
-
-    @contextlib.asynccontextmanager
-    async def _admitted(
-        self,
-        method: str,
-        ctx: otel_context.Context,
-        request: Any,
-        context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[_AdmittedRequests]:
-        """A request stream's requests, admitted at the first; ends its span and its
-        in-flight count, and turns a failure into the RPC's status."""
-        requests = _AdmittedRequests(self, method, ctx, request)
-        try:
-            yield requests
-        except BaseException as exc:
-            await _abort(context, requests.span, exc, method)
-            raise
-        finally:
-            self.in_flight -= requests.counted
-            requests.span.end()
-
-    def _wrap_request_stream(self, behavior: Any, method: str, ctx: otel_context.Context) -> Any:
-        """A bidirectional stream counts as in flight, and its span starts, with its
-        first request: a stream opened ahead of its requests (the orchestrator
-        keeps some open) holds no drain while it idles, and when its metadata
-        carries no trace context, its first request's parameters do. The handler
-        either yields its responses or writes them with ``context.write``."""
-
-        async def written(request: Any, context: grpc.aio.ServicerContext) -> None:
-            async with self._admitted(method, ctx, request, context) as requests:
-                await behavior(requests, context)
-
-        async def yielded(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            async with self._admitted(method, ctx, request, context) as requests:
-                async for item in behavior(requests, context):
+        async def streamed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async with (
+                scope(request, context) as passed,
+                contextlib.aclosing(behavior(passed, context)) as items,
+            ):
+                async for item in items:
                     yield item
 
-        return yielded if inspect.isasyncgenfunction(behavior) else written
+        return streamed
+
+    async def called(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async with scope(request, context) as passed:
+            return await behavior(passed, context)
+
+    return called
 
 
-class _AdmittedRequests:
-    """The requests of a stream; admits the RPC and starts its span at the first.
+class _SeenRequests:
+    """A request stream that shows each request to ``see`` before passing it on
+    (``see`` may raise to refuse the stream)."""
 
-    The span's context is made current in the task reading the requests, so
-    the tasks it starts for them run in the request's trace.
-    """
-
-    def __init__(
-        self, owner: ServerInterceptor, method: str, ctx: otel_context.Context, requests: Any
-    ) -> None:
-        self._owner = owner
-        self._method = method
-        self._ctx = ctx
+    def __init__(self, requests: AsyncIterator[Any], see: Callable[[Any], None]) -> None:
         self._requests = requests
-        self._started = False
-        self.counted = False
-        self.span: trace.Span = trace.INVALID_SPAN
+        self._see = see
 
-    def __aiter__(self) -> _AdmittedRequests:
+    def __aiter__(self) -> _SeenRequests:
         return self
 
     async def __anext__(self) -> Any:
         request = await anext(self._requests)
-        parameters = getattr(request, "parameters", None)
-        carried = pop_parameters_context(parameters) if parameters is not None else None
-        if not self._started:
-            self._started = True
-            self.counted = self._owner._admit(self._method)
-            has_parent = trace.get_current_span(self._ctx).get_span_context().is_valid
-            parent = self._ctx if has_parent or carried is None else carried
-            self.span = self._owner._start_span(self._method, parent)
-            otel_context.attach(trace.set_span_in_context(self.span))
+        self._see(request)
         return request
 
 
-async def _abort(
-    context: grpc.aio.ServicerContext, span: trace.Span, exc: BaseException, method: str
-) -> None:
-    """Turn ``exc`` into the RPC's status; returns only for exceptions to re-raise."""
-    if isinstance(exc, grpc.aio.AbortError | GeneratorExit) or not isinstance(exc, Exception):
-        # Already aborted by the handler, or cancelled / closed by gRPC itself.
-        if isinstance(exc, grpc.aio.AbortError):
-            span.set_status(Status(StatusCode.ERROR, "aborted"))
-        return
-    if isinstance(exc, MeshError):
+class ErrorInterceptor(_HandlerWrapper):
+    """The one error map: a handler's exception becomes the RPC's status."""
+
+    def wrap(
+        self, behavior: Behavior, bidirectional: bool, details: grpc.HandlerCallDetails
+    ) -> Behavior:
+        return around(behavior, functools.partial(_statuses, details.method))
+
+
+@contextlib.asynccontextmanager
+async def _statuses(
+    method: str, request: Any, context: grpc.aio.ServicerContext
+) -> AsyncIterator[Any]:
+    try:
+        yield request
+    except grpc.aio.AbortError:
+        raise  # the handler set its status itself
+    except MeshError as exc:
+        await context.abort(exc.code, exc.message)
+    except Exception:
+        # Cancellation and a closed stream are BaseExceptions: gRPC's own, passed on.
+        log.exception("unexpected error in %s", method)
+        await context.abort(grpc.StatusCode.INTERNAL, GENERIC_INTERNAL_MESSAGE)
+
+
+class TracingInterceptor(_HandlerWrapper):
+    """A server span per RPC, continuing the W3C trace the caller sent.
+
+    The context comes from the call's metadata; a stream opened ahead of its
+    requests carries none there, and its first request's parameters do (they
+    are removed from every request: models never see them).
+    """
+
+    def __init__(self, tracer: trace.Tracer) -> None:
+        self._tracer = tracer
+
+    def wrap(
+        self, behavior: Behavior, bidirectional: bool, details: grpc.HandlerCallDetails
+    ) -> Behavior:
+        method: str = details.method
+        parent = extract_context(details.invocation_metadata)
+        if bidirectional:
+            return around(behavior, functools.partial(self._first_request_span, method, parent))
+        if inspect.isasyncgenfunction(behavior):
+            return self._streamed(behavior, method, parent)
+        return around(behavior, functools.partial(self._span, method, parent))
+
+    def _start(self, method: str, parent: otel_context.Context) -> trace.Span:
+        service, name = _split(method)
+        return self._tracer.start_span(
+            method.lstrip("/"),
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
+        )
+
+    @contextlib.asynccontextmanager
+    async def _span(
+        self, method: str, parent: otel_context.Context, request: Any, _: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        span = self._start(method, parent)
+        token = otel_context.attach(trace.set_span_in_context(span))
+        try:
+            with _recorded(span):
+                yield request
+        finally:
+            otel_context.detach(token)
+
+    def _streamed(self, behavior: Behavior, method: str, parent: otel_context.Context) -> Behavior:
+        # The span is current only while each response is produced: a token
+        # attached across a yield might not be detachable (``iterate_in_context``).
+        async def streamed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            span = self._start(method, parent)
+            with _recorded(span):
+                async with contextlib.aclosing(behavior(request, context)) as items:
+                    async for item in iterate_in_context(trace.set_span_in_context(span), items):
+                        yield item
+
+        return streamed
+
+    @contextlib.asynccontextmanager
+    async def _first_request_span(
+        self,
+        method: str,
+        parent: otel_context.Context,
+        requests: AsyncIterator[Any],
+        _: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[Any]:
+        spans: list[trace.Span] = []
+
+        def see(request: Any) -> None:
+            parameters = getattr(request, "parameters", None)
+            carried = pop_parameters_context(parameters) if parameters is not None else None
+            if spans:
+                return
+            has_parent = trace.get_current_span(parent).get_span_context().is_valid
+            span = self._start(method, parent if has_parent or carried is None else carried)
+            spans.append(span)
+            # Current from here on in the task reading the requests, so the
+            # tasks it starts for them run in the request's trace.
+            otel_context.attach(trace.set_span_in_context(span))
+
+        try:
+            yield _SeenRequests(requests, see)
+        except BaseException as exc:
+            for span in spans:
+                _record(span, exc)
+            raise
+        finally:
+            for span in spans:
+                span.end()
+
+
+@contextlib.contextmanager
+def _recorded(span: trace.Span) -> Iterator[trace.Span]:
+    """Ends ``span``, recording the exception that ends the call, if any."""
+    try:
+        yield span
+    except BaseException as exc:
+        _record(span, exc)
+        raise
+    finally:
+        span.end()
+
+
+def _record(span: trace.Span, exc: BaseException) -> None:
+    if isinstance(exc, grpc.aio.AbortError):
+        span.set_status(Status(StatusCode.ERROR, "aborted"))
+    elif isinstance(exc, MeshError):
         span.set_status(Status(StatusCode.ERROR, exc.message))
         span.set_attribute("rpc.grpc.status_code", exc.code.value[0])
-        await context.abort(exc.code, exc.message)
-    log.exception("unexpected error in %s", method)
-    span.record_exception(exc)
-    span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-    await context.abort(grpc.StatusCode.INTERNAL, GENERIC_INTERNAL_MESSAGE)
+    elif isinstance(exc, Exception):
+        span.record_exception(exc)
+        span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+    # Cancellation or a closed stream: gRPC ended the call, nothing failed here.
+
+
+class DrainGate(_HandlerWrapper):
+    """Counts the RPCs in flight and, once closed, refuses new ones with UNAVAILABLE.
+
+    Health and reflection pass untouched, so probes read NOT_SERVING while the
+    server drains. ``idle()`` returns once no counted RPC is left, so a
+    shutdown waits on an event rather than polling the count.
+    """
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def close(self) -> None:
+        """Refuse every RPC from now on (the ones in flight carry on)."""
+        self.draining = True
+
+    async def idle(self) -> None:
+        """Return once no counted RPC is in flight."""
+        await self._idle.wait()
+
+    def wrap(
+        self, behavior: Behavior, bidirectional: bool, details: grpc.HandlerCallDetails
+    ) -> Behavior:
+        if details.method.startswith(_ALWAYS_ALLOWED_PREFIXES):
+            return behavior
+        return around(behavior, self._first_request if bidirectional else self._admitted)
+
+    def _admit(self) -> None:
+        if self.draining:
+            raise Unavailable("server is shutting down; retry on another replica")
+        self.in_flight += 1
+        self._idle.clear()
+
+    def _release(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self, request: Any, _: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        self._admit()
+        try:
+            yield request
+        finally:
+            self._release()
+
+    @contextlib.asynccontextmanager
+    async def _first_request(
+        self, requests: AsyncIterator[Any], _: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        admitted: list[bool] = []
+
+        def see(_: Any) -> None:
+            if not admitted:
+                self._admit()
+                admitted.append(True)
+
+        try:
+            yield _SeenRequests(requests, see)
+        finally:
+            if admitted:
+                self._release()
 
 
 class _ClientBase:
@@ -274,11 +373,11 @@ class ClientUnaryInterceptor(_ClientBase, grpc.aio.UnaryUnaryClientInterceptor):
         span = self._span(details)
         try:
             call = await continuation(self._details(details, span), request)
-            await call
+            # Read the outcome without raising: the caller gets the call as it
+            # is and turns a failure into the error tree (``shared.rpc``).
+            if await call.code() != grpc.StatusCode.OK:
+                span.set_status(Status(StatusCode.ERROR, await call.details() or ""))
             return call
-        except grpc.aio.AioRpcError as exc:
-            span.set_status(Status(StatusCode.ERROR, exc.details() or ""))
-            raise
         finally:
             span.end()
 

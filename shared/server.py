@@ -1,10 +1,10 @@
 """The server bootstrap every service uses: ``serve(config, parts)``.
 
-One ``grpc.aio`` server with the shared interceptor (errors, tracing,
-draining), grpc.health.v1, server reflection, a Prometheus ``/metrics``
-endpoint, message-size limits from config, and graceful shutdown:
-health turns NOT_SERVING at once, new RPCs are refused, in-flight RPCs get up
-to ``grace_period_s`` to finish, then the server stops.
+One ``grpc.aio`` server with the shared interceptors (errors, tracing, drain
+gate), grpc.health.v1, server reflection, a Prometheus ``/metrics`` endpoint,
+message-size limits from config, and graceful shutdown: health turns
+NOT_SERVING at once, new RPCs are refused, in-flight RPCs get up to
+``grace_period_s`` to finish, then the server stops.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,11 +23,16 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from shared.config import ServiceConfig
-from shared.interceptors import ServerInterceptor
+from shared.interceptors import DrainGate, ErrorInterceptor, TracingInterceptor
 from shared.metrics_http import start_metrics_server
 from shared.tracing import make_tracer_provider, tracer_for
 
 log = logging.getLogger(__name__)
+
+FLUSH_GRACE_S = 0.2
+"""Grace for the server's own stop once no counted RPC is left: time for the
+last answers to go out. Open streams that were never counted (health Watch, a
+stream opened ahead and idle) are cancelled after it rather than waited for."""
 
 Hook = Callable[[], Awaitable[None]]
 
@@ -67,7 +71,7 @@ class MeshServer:
             or parts.tracer_provider
             or make_tracer_provider(config.service_name, config.otlp_endpoint)
         )
-        self.interceptor = ServerInterceptor(tracer_for(self.tracer_provider, "meshserve.server"))
+        self.gate = DrainGate()
         self.health = health.aio.HealthServicer()
         self.port = 0
         self.metrics_port = 0
@@ -84,7 +88,13 @@ class MeshServer:
         """Bind, run the start hooks, then report SERVING."""
         limit = self.config.max_message_bytes
         server = grpc.aio.server(
-            interceptors=[self.interceptor],
+            # Outermost first: the error map sees the gate's refusals, and the
+            # span records them.
+            interceptors=[
+                ErrorInterceptor(),
+                TracingInterceptor(tracer_for(self.tracer_provider, "meshserve.server")),
+                self.gate,
+            ],
             options=[
                 ("grpc.max_send_message_length", limit),
                 ("grpc.max_receive_message_length", limit),
@@ -121,16 +131,17 @@ class MeshServer:
         """Drain: NOT_SERVING, refuse new RPCs, let in-flight ones finish, stop."""
         if self._server is None or self._stopped.is_set():
             return
-        deadline = time.monotonic() + self.config.grace_period_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.grace_period_s
         await self.health.enter_graceful_shutdown()
-        self.interceptor.draining = True
-        # A short poll: the counter moves in the interceptor, which owns no event.
-        while self.interceptor.in_flight > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.02)
-        # Once no counted RPC is left, only open streams such as health Watch
-        # remain; they need no grace, and waiting for them would hold the exit.
-        remaining = max(0.0, deadline - time.monotonic())
-        await self._server.stop(remaining if self.interceptor.in_flight else min(0.2, remaining))
+        self.gate.close()
+        try:
+            await asyncio.wait_for(self.gate.idle(), max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            log.warning("%d RPC(s) still in flight after the grace period", self.gate.in_flight)
+        # Whatever still runs once the counted RPCs are done was never counted
+        # and needs no grace; past the deadline the server cancels the rest.
+        await self._server.stop(min(FLUSH_GRACE_S, max(0.0, deadline - loop.time())))
         for hook in self.parts.on_stop:
             try:
                 await hook()

@@ -18,7 +18,7 @@ from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from services.orchestrator.router import REFILL_DELAY_S, StageAddress, StageRouter
 from services.orchestrator.streaming import relay
-from shared.interceptors import ServerInterceptor
+from shared.interceptors import DrainGate, ErrorInterceptor, TracingInterceptor
 
 
 class CountingStage(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
@@ -48,7 +48,9 @@ class CountingStage(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
 
 async def _with_stage(scenario: Any) -> None:
     stage = CountingStage()
-    server = grpc.aio.server(interceptors=[ServerInterceptor(trace.NoOpTracer())])
+    server = grpc.aio.server(
+        interceptors=[ErrorInterceptor(), TracingInterceptor(trace.NoOpTracer()), DrainGate()]
+    )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(stage, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
-from shared.interceptors import ServerInterceptor, client_interceptors
+from shared.interceptors import DrainGate, ErrorInterceptor, TracingInterceptor, client_interceptors
 from shared.tracing import inject_metadata, inject_parameters, make_tracer_provider, tracer_for
 
 
@@ -41,7 +41,9 @@ def _recording_tracer() -> tuple[InMemorySpanExporter, trace.Tracer]:
 
 async def _serve(servicer: Any, tracer: trace.Tracer) -> tuple[grpc.aio.Server, int]:
     """A started server with the mesh's server interceptor; and its port."""
-    server = grpc.aio.server(interceptors=[ServerInterceptor(tracer)])
+    server = grpc.aio.server(
+        interceptors=[ErrorInterceptor(), TracingInterceptor(tracer), DrainGate()]
+    )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
