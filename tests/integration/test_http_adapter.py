@@ -2,7 +2,9 @@
 
 Unmodified ``tritonclient.http`` runs in child processes (its generated
 ``inference`` package clashes with ours); raw HTTP checks run here with
-urllib, so they see exactly the bytes on the wire.
+urllib, so they see exactly the bytes on the wire. What needs no process
+boundary (routes, errors, the SSE pump) is tested in-process, in
+test_http_rest.py.
 """
 
 from __future__ import annotations
@@ -218,27 +220,6 @@ def test_vllm_health_path_is_200_without_a_body(adapter: ServiceProcess) -> None
     assert status == 200 and body == b""
 
 
-def test_unknown_model_is_404(adapter: ServiceProcess) -> None:
-    status, _, body = http("POST", url(adapter, "/v2/models/nope/infer"), infer_body([1, 2, 3, 4]))
-    assert status == 404
-    assert "nope" in json.loads(body)["error"]
-    status, _, body = http("GET", url(adapter, "/v2/models/nope"))
-    assert status == 404 and "nope" in json.loads(body)["error"]
-
-
-def test_wrong_shape_is_400_naming_the_tensor(adapter: ServiceProcess) -> None:
-    # Data that does not fill the shape: caught in the adapter.
-    status, _, body = http("POST", url(adapter, "/v2/models/add_sub/infer"), infer_body([1, 2]))
-    assert status == 400
-    assert "'INPUT0'" in json.loads(body)["error"]
-    # A shape the model does not take: caught by the stage, mapped back.
-    status, _, body = http(
-        "POST", url(adapter, "/v2/models/add_sub/infer"), infer_body([1, 2, 3], shape=[1, 3])
-    )
-    assert status == 400
-    assert "'INPUT0'" in json.loads(body)["error"]
-
-
 def test_oversized_body_is_413(adapter: ServiceProcess) -> None:
     status, _, body = http(
         "POST", url(adapter, "/v2/models/add_sub/infer"), b" " * (MAX_BODY + 1024)
@@ -254,17 +235,6 @@ def test_oversized_body_is_413(adapter: ServiceProcess) -> None:
         {"Content-Encoding": "gzip"},
     )
     assert status == 413
-
-
-def test_unknown_path_and_encoding(adapter: ServiceProcess) -> None:
-    status, headers, body = http("GET", url(adapter, "/v3/whatever"))
-    assert status == 404
-    assert headers["Content-Type"].startswith("application/json")
-    assert "/v3/whatever" in json.loads(body)["error"]
-    status, _, body = http(
-        "POST", url(adapter, "/v2/models/add_sub/infer"), b"{}", {"Content-Encoding": "br"}
-    )
-    assert status == 415 and "br" in json.loads(body)["error"]
 
 
 def test_binary_extension_on_the_wire(adapter: ServiceProcess) -> None:
