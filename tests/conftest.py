@@ -16,6 +16,41 @@ from tests.otlp import OtlpReceiver
 DATA = Path(__file__).resolve().parent / "data"
 
 
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Say which CPU ran the suite (shown with -q too): answers must not depend on it."""
+    terminalreporter.write_line(cpu_summary())
+
+
+def cpu_summary() -> str:
+    """The CPU's model and the instruction sets that change kernels (docs/cpu-independence.md)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "cpu: unknown"
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in info.splitlines()
+            if line.startswith("model name")
+        ),
+        "unknown",
+    )
+    flags = set(
+        next(
+            (
+                line.split(":", 1)[1].split()
+                for line in info.splitlines()
+                if line.startswith("flags")
+            ),
+            [],
+        )
+    )
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return f"cpu: {model}; " + ", ".join(
+        f"{flag}: {'yes' if flag in flags else 'no'}" for flag in wanted
+    )
+
+
 def cache_dir() -> Path:
     """Where prepared models live (the Makefile passes MESHSERVE_CACHE)."""
     return Path(os.environ.get("MESHSERVE_CACHE", Path.home() / ".cache" / "meshserve"))
