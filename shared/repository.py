@@ -50,22 +50,6 @@ SUPPORTED_FIELDS = frozenset(
     }
 )
 
-# Which stage service hosts a model, by backend (or platform) name.
-HOSTING_SERVICE = {
-    "pytorch": "inference",
-    "pytorch_libtorch": "inference",
-    "onnxruntime": "inference",
-    "onnxruntime_onnx": "inference",
-    "python": "inference",
-    "vllm": "inference",
-    "tokenizer": "tokenizer",
-    "image_preprocess": "preprocess",
-    "classify": "postprocess",
-    "embedding_pool": "postprocess",
-    "detokenize": "postprocess",
-    "ensemble": "orchestrator",
-}
-
 
 @dataclass(frozen=True)
 class ModelEntry:
@@ -274,12 +258,8 @@ def _python_model_without_config(folder: Path) -> bool:
     )
 
 
-def hosting_service(config: mc.ModelConfig) -> str:
-    """Which stage service hosts a model: by backend, else by platform."""
-    key = config.backend or config.platform
-    if config.platform == "ensemble":
-        return "orchestrator"
-    service = HOSTING_SERVICE.get(key)
-    if service is None:
-        raise ConfigError(f"model '{config.name}': no service hosts backend '{key}'")
-    return service
+def is_ensemble(config: mc.ModelConfig) -> bool:
+    """True for ``platform: "ensemble"`` models, which the orchestrator hosts. Every
+    other model is hosted by the stage whose backends run it; each stage lists
+    those in its RepositoryIndex, which is how the orchestrator finds them."""
+    return config.platform == "ensemble" or config.backend == "ensemble"

@@ -24,7 +24,7 @@ from services.orchestrator.ensemble import (
     WireTensor,
 )
 from shared.errors import MeshError, NotFound, Unavailable
-from shared.repository import ModelRepository
+from shared.repository import ModelRepository, is_ensemble
 from shared.statistics import Metrics, StatsRecorder
 
 log = logging.getLogger(__name__)
@@ -33,11 +33,6 @@ ENSEMBLE_VERSION = "1"
 """The one version an ensemble is served as (its folder holds a config, not weights)."""
 
 FetchConfig = Callable[[str], Awaitable[mc.ModelConfig]]
-
-
-def is_ensemble(config: mc.ModelConfig) -> bool:
-    """True for ``platform: "ensemble"`` models."""
-    return config.platform == "ensemble" or config.backend == "ensemble"
 
 
 class EnsembleRegistry:

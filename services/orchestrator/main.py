@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from services.orchestrator.core import Orchestrator
 from services.orchestrator.ensembles import EnsembleRegistry
 from services.orchestrator.mesh_api import MESH_SERVICE_NAME, MeshApiServicer, add_mesh_api
 from services.orchestrator.router import StageAddress, StageRouter
@@ -47,7 +48,7 @@ class OrchestratorConfig(ServiceConfig):
 
 
 def build_parts(config: OrchestratorConfig) -> ServiceParts:
-    """Router, ensemble registry, servicer and their start/stop hooks."""
+    """Router, ensemble registry, the core, its front doors and their start/stop hooks."""
     provider = make_tracer_provider(config.service_name, config.otlp_endpoint)
     tracer = tracer_for(provider, "meshserve.orchestrator")
     parts = ServiceParts(
@@ -63,8 +64,11 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
     )
     repository = ModelRepository(config.model_repository) if config.model_repository else None
     ensembles = EnsembleRegistry(repository, router.model_config, Metrics(parts.registry))
-    servicer = OrchestratorServicer(router, ensembles, tracer)
-    parts.servicers = [(add_to_server, servicer), (add_mesh_api, MeshApiServicer(servicer))]
+    core = Orchestrator(router, ensembles, tracer)
+    parts.servicers = [
+        (add_to_server, OrchestratorServicer(core)),
+        (add_mesh_api, MeshApiServicer(core)),
+    ]
 
     async def start() -> None:
         await router.start()

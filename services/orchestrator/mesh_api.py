@@ -1,8 +1,9 @@
-"""meshserve.v1.MeshService: the JSON-friendly API, translated to KServe v2 calls.
+"""meshserve.v1.MeshService: the JSON-friendly API, translated to the core's calls.
 
 Envoy transcodes these RPCs to HTTP/JSON (``/api/v1/...``). Each RPC turns
-its message into v2 requests on the orchestrator's own servicer, in process,
-so ensembles, routing and errors behave exactly as for a v2 client.
+its message into calls on the orchestrator's core (core.py), the one the v2
+servicer calls too, so ensembles, routing and errors behave exactly as for a
+v2 client.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from google.protobuf import struct_pb2
 from inference import grpc_service_pb2 as pb
 from meshserve.v1 import meshserve_pb2 as api
 from meshserve.v1 import meshserve_pb2_grpc as api_grpc
-from services.orchestrator.servicer import OrchestratorServicer
+from services.orchestrator.core import Orchestrator
+from services.orchestrator.servicer import timeout_of
 from services.orchestrator.tokenization import (
     MESSAGES,
     PROMPT,
@@ -100,10 +102,10 @@ def array_to_tensor(name: str, datatype: str, array: np.ndarray) -> api.Tensor:
 
 
 class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
-    """MeshService over the orchestrator's v2 servicer."""
+    """MeshService over the orchestrator's core."""
 
-    def __init__(self, v2: OrchestratorServicer) -> None:
-        self.v2 = v2
+    def __init__(self, core: Orchestrator) -> None:
+        self.core = core
 
     async def _infer(
         self,
@@ -117,16 +119,13 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
         encode_inputs(request, inputs)
         for name in outputs or []:
             request.outputs.add(name=name)
-        response = await self.v2.ModelInfer(request, context)
+        response = await self.core.infer(request, timeout_of(context))
         return response, decode_outputs(response)
 
     async def ListModels(self, request: api.ListModelsRequest, context: Any) -> Any:
-        index = await self.v2.RepositoryIndex(
-            pb.RepositoryIndexRequest(ready=request.ready_only), context
-        )
         versions: dict[str, list[str]] = defaultdict(list)
         states: dict[str, str] = {}
-        for row in index.models:
+        for row in await self.core.index(request.ready_only):
             if row.version:
                 versions[row.name].append(row.version)
             if states.get(row.name) != "READY":
@@ -144,18 +143,15 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
 
     async def _describe(self, model: api.Model, context: Any) -> None:
         try:
-            config = (
-                await self.v2.ModelConfig(pb.ModelConfigRequest(name=model.name), context)
-            ).config
+            config = await self.core.config(model.name, timeout_s=timeout_of(context))
         except MeshError:
             return
         model.backend = config.platform or config.backend
         model.max_batch_size = config.max_batch_size
-        stages = self.v2.router.stage_names(model.name)
-        model.stage = "orchestrator" if model.backend == "ensemble" else ",".join(stages)
+        model.stage = ",".join(self.core.stages_of(model.name))
 
     async def GetModel(self, request: api.GetModelRequest, context: Any) -> Any:
-        metadata = await self.v2.ModelMetadata(pb.ModelMetadataRequest(name=request.name), context)
+        metadata = await self.core.metadata(request.name, timeout_s=timeout_of(context))
         response = api.GetModelResponse(
             model=api.Model(
                 name=metadata.name, versions=list(metadata.versions), state=api.MODEL_STATE_READY
@@ -245,10 +241,10 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
         _, outputs = await self._infer(
             tokenizer.model, text, tokenizer.version, [steps.ids], context
         )
-        engine = await self.v2.ModelConfig(
-            pb.ModelConfigRequest(name=steps.engine.model, version=steps.engine.version), context
+        engine = await self.core.config(
+            steps.engine.model, steps.engine.version, timeout_of(context)
         )
-        limit = engine.config.parameters.get("max_model_len")
+        limit = engine.parameters.get("max_model_len")
         text_limit = limit.string_value.strip() if limit is not None else ""
         return api.TokenizeResponse(
             model=model,
@@ -267,8 +263,8 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
         return api.DetokenizeResponse(model=model, text=_text(outputs.get(TEXT_DELTA)))
 
     def _text_steps(self, model: str) -> TextSteps:
-        plan = self.v2.ensembles.get(model)
-        if plan is None and not self.v2.router.replicas(model):
+        plan = self.core.plan(model)
+        if plan is None and not self.core.stages_of(model):
             raise NotFound(f"Request for unknown model: '{model}' is not found")
         if plan is None:
             raise InvalidArgument(f"model '{model}' is not an LLM pipeline (not an ensemble)")
@@ -280,7 +276,7 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
         inputs["SAMPLING"] = np.array([sampling_json(sampling).encode()], dtype=object)
         request = pb.ModelInferRequest(model_name=model or DEFAULT_LLM)
         encode_inputs(request, inputs)
-        async for response in self.v2.stream_responses(request, context):
+        async for response in self.core.stream(request, timeout_of(context)):
             outputs = decode_outputs(response)
             yield api.TextDelta(
                 text=_text(outputs.get("TEXT_DELTA")),
@@ -290,11 +286,8 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
             )
 
     async def Health(self, request: api.HealthRequest, context: Any) -> Any:
-        stages: dict[str, list[bool]] = defaultdict(list)
-        for endpoint in self.v2.router.endpoints:
-            stages[endpoint.address.stage].append(endpoint.ready)
         response = api.HealthResponse()
-        for stage, ready in sorted(stages.items()):
+        for stage, ready in sorted(self.core.stages().items()):
             response.stages.add(
                 stage=stage,
                 ready_replicas=sum(ready),

@@ -21,7 +21,7 @@ import itertools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 from opentelemetry import trace
@@ -31,7 +31,8 @@ from inference import grpc_service_pb2_grpc as pb_grpc
 from inference import model_config_pb2 as mc
 from services.orchestrator.stage_stream import StageStream
 from shared.channels import open_channels
-from shared.errors import InvalidArgument, NotFound, Unavailable, error_for_status
+from shared.errors import InvalidArgument, MeshError, NotFound, Unavailable
+from shared.rpc import remote
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,8 @@ T = TypeVar("T")
 REFILL_DELAY_S = 0.05
 """How long after a stream's release its replica's spares are topped up."""
 
-# Status codes that say "this replica could not do it", not "the request is bad".
-_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+StageCall = Callable[[pb_grpc.GRPCInferenceServiceStub], Awaitable[T]]
+"""One typed RPC on a replica's stub (``lambda stub: stub.ModelInfer(request)``)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,10 @@ class Endpoint:
     stubs: list[pb_grpc.GRPCInferenceServiceStub]
     channels: list[grpc.aio.Channel]
     models: set[str] = field(default_factory=set)
+    """Models READY on this replica (calls go only to these)."""
+    listed: set[str] = field(default_factory=set)
+    """Every model this replica's stage hosts, loaded or not (its RepositoryIndex):
+    where a model that is not loaded would load."""
     load_errors: dict[str, str] = field(default_factory=dict)
     """Models this replica failed to load -> the error (RepositoryIndex reason)."""
     ready: bool = False
@@ -201,16 +206,19 @@ class StageRouter:
 
     async def _refresh_one(self, endpoint: Endpoint) -> None:
         try:
-            index = await endpoint.stub().RepositoryIndex(pb.RepositoryIndexRequest(), timeout=5)
-        except grpc.aio.AioRpcError as exc:
+            with remote():
+                request = pb.RepositoryIndexRequest()
+                index = await endpoint.stub().RepositoryIndex(request, timeout=5)
+        except MeshError as exc:
             if endpoint.ready:
-                log.warning("%s is unreachable: %s", endpoint.describe(), exc.details())
+                log.warning("%s is unreachable: %s", endpoint.describe(), exc.message)
             endpoint.ready = False
             endpoint.close_spares()
             return
         if not endpoint.ready:
             log.info("%s is ready", endpoint.describe())
         endpoint.models = {model.name for model in index.models if model.state == "READY"}
+        endpoint.listed = {model.name for model in index.models}
         # A reason says why a model is not loaded; none: never loaded, or unloaded.
         endpoint.load_errors = {
             model.name: model.reason
@@ -231,6 +239,10 @@ class StageRouter:
     def hosts(self, model: str) -> bool:
         """True when some ready replica serves ``model``."""
         return any(e.ready for e in self.replicas(model))
+
+    def listing(self, model: str) -> set[str]:
+        """The stages whose index lists ``model``, loaded or not: where loading it goes."""
+        return {e.address.stage for e in self.endpoints if model in e.listed}
 
     def all_models(self) -> set[str]:
         """Every model some endpoint has reported."""
@@ -267,18 +279,12 @@ class StageRouter:
         """
         return self._pick(model, set()).stream()
 
-    async def call(
-        self,
-        model: str,
-        method: str,
-        invoke: Callable[[pb_grpc.GRPCInferenceServiceStub], Awaitable[T]],
-        *,
-        retry: bool = True,
-    ) -> T:
-        """Run ``invoke`` on a replica of ``model``; one retry on another replica."""
+    async def call(self, model: str, invoke: StageCall[T], *, retry: bool = True) -> T:
+        """Run ``invoke`` on a replica of ``model``; one retry on another replica
+        when the first cannot be reached (Unavailable: the request is not at fault)."""
         tried: set[int] = set()
         attempts = 2 if retry else 1
-        last: grpc.aio.AioRpcError | None = None
+        last: Unavailable | None = None
         for _ in range(attempts):
             try:
                 endpoint = self._pick(model, tried)
@@ -289,39 +295,25 @@ class StageRouter:
             tried.add(id(endpoint))
             endpoint.in_flight += 1
             try:
-                return await invoke(endpoint.stub())
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _RETRYABLE:
-                    raise
+                with remote():
+                    return await invoke(endpoint.stub())
+            except Unavailable as exc:
                 last = exc
-                log.warning(
-                    "%s failed %s for '%s': %s", endpoint.describe(), method, model, exc.details()
-                )
+                log.warning("%s failed a call for '%s': %s", endpoint.describe(), model, exc)
                 endpoint.ready = False
             finally:
                 endpoint.in_flight -= 1
         stages = ", ".join(self.stage_names(model)) or "?"
-        detail = last.details() if last is not None else "no replica"
+        detail = last.message if last is not None else "no replica"
         raise Unavailable(f"stage '{stages}' is unavailable for model '{model}': {detail}")
 
     async def model_config(self, model: str) -> mc.ModelConfig:
         """A model's config, from a replica of the stage hosting it."""
-        try:
-            response = await self.call(
-                model,
-                "ModelConfig",
-                lambda stub: stub.ModelConfig(pb.ModelConfigRequest(name=model), timeout=10),
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise error_for_status(exc.code(), f"model '{model}': {exc.details()}") from exc
-        config: mc.ModelConfig = response.config
-        return config
+        request = pb.ModelConfigRequest(name=model)
 
-    async def broadcast(
-        self, stage: str, invoke: Callable[[pb_grpc.GRPCInferenceServiceStub], Awaitable[Any]]
-    ) -> list[Any]:
-        """Run ``invoke`` on every ready replica of ``stage`` (load/unload)."""
-        targets = [e for e in self.endpoints if e.address.stage == stage and e.ready]
-        if not targets:
-            raise Unavailable(f"stage '{stage}' has no ready replica")
-        return list(await asyncio.gather(*(invoke(e.stub()) for e in targets)))
+        async def fetch(stub: pb_grpc.GRPCInferenceServiceStub) -> pb.ModelConfigResponse:
+            with remote(f"model '{model}': "):
+                response: pb.ModelConfigResponse = await stub.ModelConfig(request, timeout=10)
+            return response
+
+        return (await self.call(model, fetch)).config

@@ -25,6 +25,7 @@ from opentelemetry import context as otel_context
 
 from inference import grpc_service_pb2 as pb
 from shared.errors import Unavailable
+from shared.rpc import remote
 from shared.tracing import inject_parameters
 
 
@@ -58,8 +59,10 @@ class StageStream:
         self._outgoing.put_nowait(request)
 
     async def read(self) -> pb.ModelStreamInferResponse | None:
-        """The next message; None once the stage has ended the stream (OK)."""
-        message = await self._call.read()
+        """The next message; None once the stage has ended the stream (OK). A
+        failed stream raises its MeshError."""
+        with remote():
+            message = await self._call.read()
         if message is grpc.aio.EOF:
             return None
         response: pb.ModelStreamInferResponse = message

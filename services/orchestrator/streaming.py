@@ -11,13 +11,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable
 
-import grpc
-
 from inference import grpc_service_pb2 as pb
 from services.orchestrator.ensemble import Step, WireTensor
 from services.orchestrator.router import StageRouter
 from services.orchestrator.stage_stream import StageStream
-from shared.errors import MeshError, Unavailable, error_for_status
+from shared.errors import MeshError, Unavailable
 from shared.servicer import stream_failure, until_final
 
 
@@ -43,8 +41,6 @@ async def relay(
     try:
         async for response in until_final(messages()):
             yield response
-    except grpc.aio.AioRpcError as exc:
-        raise error_for_status(exc.code(), exc.details() or "stream failed") from exc
     finally:
         stream.cancel()
 
@@ -67,7 +63,7 @@ async def _first_response(
             opened()
         try:
             return stream, await stream.read()
-        except grpc.aio.AioRpcError as exc:
+        except MeshError as exc:
             stream.cancel()
             _raise_unless_retried(exc, attempt)
         except BaseException:
@@ -76,13 +72,10 @@ async def _first_response(
     raise AssertionError("unreachable")
 
 
-def _raise_unless_retried(exc: grpc.aio.AioRpcError | MeshError, attempt: int) -> None:
-    """Raise ``exc`` as a MeshError, unless it is a first attempt's UNAVAILABLE."""
-    code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else exc.code
-    if attempt == 0 and code == grpc.StatusCode.UNAVAILABLE:
+def _raise_unless_retried(exc: MeshError, attempt: int) -> None:
+    """Raise ``exc``, unless it is a first attempt's Unavailable (the replica went away)."""
+    if attempt == 0 and isinstance(exc, Unavailable):
         return
-    if isinstance(exc, grpc.aio.AioRpcError):
-        raise error_for_status(code, exc.details() or "stream failed") from exc
     raise exc
 
 
@@ -133,7 +126,7 @@ class StepStreams:
                 stream = self._streams[step] = self._router.stream(request.model_name)
             try:
                 message = await stream.ask(request)
-            except (grpc.aio.AioRpcError, Unavailable) as exc:
+            except MeshError as exc:
                 del self._streams[step]
                 stream.cancel()
                 _raise_unless_retried(exc, attempt)

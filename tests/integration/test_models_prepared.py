@@ -39,9 +39,14 @@ from models.prepare import (
     prepare_repository,
     select_recipes,
 )
+from services.inference import main as inference_main
+from services.postprocess import main as postprocess_main
+from services.preprocess import main as preprocess_main
 from services.preprocess.transform import preprocess
+from services.tokenizer import main as tokenizer_main
 from shared.errors import InvalidArgument
-from shared.repository import ModelRepository, hosting_service
+from shared.manager import ModelManager
+from shared.repository import ModelRepository, is_ensemble
 
 CAT_CLASSES = {"tabby", "tiger cat", "Egyptian cat"}
 VISION_MODELS = ("mobilenet_v2", "mobilenet_v2_onnx")
@@ -269,7 +274,23 @@ def test_every_model_parses_with_the_repository_reader(repository: Path) -> None
         assert entry.versions_on_disk == (1,)
         assert entry.selected_versions() == (1,)
         if name in HOSTS:
-            assert hosting_service(entry.config) == HOSTS[name], name
+            assert hosting_stage(reader, name) == HOSTS[name], name
+
+
+def hosting_stage(reader: ModelRepository, name: str) -> str:
+    """The service that lists ``name`` in its index: the one whose backends run it."""
+    if is_ensemble(reader.entry(name).config):
+        return "orchestrator"
+    stages = {
+        "inference": inference_main.backends(),
+        "tokenizer": tokenizer_main.backends(),
+        "preprocess": preprocess_main.backends(),
+        "postprocess": postprocess_main.backends(),
+    }
+    (stage,) = [
+        s for s, backends in stages.items() if ModelManager(reader, backends).hosts_name(name)
+    ]
+    return stage
 
 
 def test_models_without_a_model_file_have_a_version_folder_with_a_readme(

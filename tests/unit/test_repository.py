@@ -10,7 +10,7 @@ import pytest
 from shared.errors import ConfigError, NotFound
 from shared.repository import (
     ModelRepository,
-    hosting_service,
+    is_ensemble,
     parse_config,
     unsupported_fields,
     validate_config,
@@ -42,7 +42,7 @@ def test_lists_models_with_a_config(tmp_path: Path) -> None:
     entry = repo.entry("resnet")
     assert entry.config.max_batch_size == 8
     assert entry.config.input[0].dims == [3, -1, -1]
-    assert hosting_service(entry.config) == "inference"
+    assert not is_ensemble(entry.config)  # a stage hosts it, not the orchestrator
 
 
 def test_a_rewritten_config_is_read_again_and_an_unchanged_one_is_not_reparsed(
@@ -150,5 +150,5 @@ def test_real_triton_configs_from_test_data_load() -> None:
     assert len(onnx.instance_group) >= 1
     assert "optimization" in unsupported_fields(onnx)
     ensemble = parse_config(root / "ensemble" / "config.pbtxt")
-    assert hosting_service(ensemble) == "orchestrator"
+    assert is_ensemble(ensemble)
     assert len(ensemble.ensemble_scheduling.step) >= 2

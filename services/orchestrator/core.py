@@ -1,0 +1,318 @@
+"""The orchestrator's core: what every front door asks of the mesh.
+
+A request for an ensemble runs its dataflow graph here (runner.py); any other
+model's request is forwarded to a replica of the stage hosting it as is, its
+raw tensors never decoded (router.py picks the replica and retries on another
+one that cannot be reached). Model metadata, configs, statistics and the
+repository (index, load, unload) are answered the same way: the ensembles'
+from here, the stages' models' from their stages.
+
+No gRPC servicer and no HTTP here: front doors (the v2 servicer, the
+meshserve.v1 servicer) translate their calls into these methods, pass the
+caller's deadline as ``timeout_s`` and its going away as asyncio
+cancellation, and map the ``shared.errors`` raised here to their statuses.
+The v2 protobuf messages are the request and response objects, since a
+forwarded request travels on unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+
+from opentelemetry import trace
+
+from inference import grpc_service_pb2 as pb
+from inference import model_config_pb2 as mc
+from services.orchestrator.ensemble import EnsemblePlan
+from services.orchestrator.ensembles import ENSEMBLE_VERSION, EnsembleRegistry
+from services.orchestrator.router import StageRouter
+from services.orchestrator.runner import Deadline, EnsembleRunner
+from services.orchestrator.streaming import relay
+from shared.errors import ConfigError, MeshError, NotFound, Unavailable
+from shared.repository import ModelEntry, is_ensemble
+from shared.rpc import remote
+from shared.servicer import FINAL_RESPONSE, stats_to_proto
+
+INDEX_TIMEOUT_S = 5.0
+"""How long a stage may take to list its models for the mesh's index."""
+LOAD_TIMEOUT_S = 300.0
+"""How long a stage may take to load a model (weights from disk, a warm-up)."""
+UNLOAD_TIMEOUT_S = 60.0
+"""How long a stage may take to unload a model (its requests in flight finish)."""
+
+
+def _check_version(ensemble: str, version: str) -> None:
+    """NotFound for a version of an ensemble other than the one it is served as."""
+    if version not in ("", ENSEMBLE_VERSION):
+        raise NotFound(
+            f"Request for unknown model: '{ensemble}' version {version} is not found "
+            f"(ensemble '{ensemble}' has no version '{version}'; served: [{ENSEMBLE_VERSION}])"
+        )
+
+
+class Orchestrator:
+    """Every model of the mesh behind one set of calls."""
+
+    def __init__(
+        self, router: StageRouter, ensembles: EnsembleRegistry, tracer: trace.Tracer
+    ) -> None:
+        # Where each stage model lives -> the ensembles run here -> one request
+        # of an ensemble, step by step.
+        self.router = router
+        self.ensembles = ensembles
+        self.runner = EnsembleRunner(router, ensembles, self._infer, tracer)
+        self._decoupled: dict[str, bool] = {}
+
+    def plan(self, name: str, version: str = "") -> EnsemblePlan | None:
+        """The ensemble ``name`` (None: a stage's model); a version it does not
+        have is NotFound, as a stage answers for its models."""
+        plan = self.ensembles.get(name)
+        if plan is not None:
+            _check_version(name, version)
+        return plan
+
+    # Inference.
+
+    async def infer(
+        self, request: pb.ModelInferRequest, timeout_s: float | None = None
+    ) -> pb.ModelInferResponse:
+        """One request's answer: an ensemble's, or the hosting stage's (forwarded)."""
+        return await self._infer(request, Deadline.after(timeout_s))
+
+    async def _infer(
+        self, request: pb.ModelInferRequest, deadline: Deadline
+    ) -> pb.ModelInferResponse:
+        plan = self.plan(request.model_name, request.model_version)
+        if plan is not None:
+            return await self.runner.infer(plan, request, deadline)
+        timeout = deadline.remaining()
+        response: pb.ModelInferResponse = await self.router.call(
+            request.model_name, lambda stub: stub.ModelInfer(request, timeout=timeout)
+        )
+        return response
+
+    async def stream(
+        self, request: pb.ModelInferRequest, timeout_s: float | None = None
+    ) -> AsyncIterator[pb.ModelInferResponse]:
+        """Every response to one request, the last flagged final: a streaming
+        ensemble's and a decoupled model's as they come, any other model's one."""
+        deadline = Deadline.after(timeout_s)
+        plan = self.plan(request.model_name, request.model_version)
+        if plan is not None and plan.streaming is not None:
+            async for response in self.runner.stream(plan, request, deadline):
+                yield response
+            return
+        if plan is None and await self._is_decoupled(request.model_name):
+            async for response in relay(self.router, request):
+                yield response
+            return
+        response = await self._infer(request, deadline)
+        response.parameters[FINAL_RESPONSE].bool_param = True
+        yield response
+
+    async def _is_decoupled(self, model: str) -> bool:
+        if model not in self._decoupled:
+            config = await self.router.model_config(model)
+            self._decoupled[model] = config.model_transaction_policy.decoupled
+        return self._decoupled[model]
+
+    # Health and model information.
+
+    def ready(self) -> bool:
+        """True when every stage replica answers and every ensemble loaded."""
+        stages_ready = all(e.ready for e in self.router.endpoints)
+        return stages_ready and not self.ensembles.failed
+
+    def stages(self) -> dict[str, list[bool]]:
+        """Each stage's replicas, ready or not."""
+        stages: dict[str, list[bool]] = {}
+        for endpoint in self.router.endpoints:
+            stages.setdefault(endpoint.address.stage, []).append(endpoint.ready)
+        return stages
+
+    def stages_of(self, model: str) -> list[str]:
+        """The stages hosting ``model`` (``orchestrator`` for an ensemble)."""
+        if model in self.ensembles.plans:
+            return ["orchestrator"]
+        return self.router.stage_names(model)
+
+    async def model_ready(
+        self, name: str, version: str = "", timeout_s: float | None = None
+    ) -> bool:
+        """True when ``name`` answers inference now."""
+        try:
+            if self.plan(name, version) is not None:
+                return True
+            request = pb.ModelReadyRequest(name=name, version=version)
+            response: pb.ModelReadyResponse = await self.router.call(
+                name, lambda stub: stub.ModelReady(request, timeout=timeout_s)
+            )
+        except MeshError:
+            return False
+        return bool(response.ready)
+
+    async def metadata(
+        self, name: str, version: str = "", timeout_s: float | None = None
+    ) -> pb.ModelMetadataResponse:
+        """A model's name, versions, platform and tensors."""
+        plan = self.plan(name, version)
+        if plan is None:
+            request = pb.ModelMetadataRequest(name=name, version=version)
+            forwarded: pb.ModelMetadataResponse = await self.router.call(
+                name, lambda stub: stub.ModelMetadata(request, timeout=timeout_s)
+            )
+            return forwarded
+        response = pb.ModelMetadataResponse(
+            name=plan.name, versions=[ENSEMBLE_VERSION], platform="ensemble"
+        )
+        for target, specs in (
+            (response.inputs, plan.io.inputs),
+            (response.outputs, plan.io.outputs),
+        ):
+            for spec in specs.values():
+                target.add(name=spec.name, datatype=spec.datatype, shape=list(spec.shape))
+        return response
+
+    async def config(
+        self, name: str, version: str = "", timeout_s: float | None = None
+    ) -> mc.ModelConfig:
+        """A model's configuration (as its stage runs it)."""
+        plan = self.plan(name, version)
+        if plan is not None:
+            return plan.config
+        request = pb.ModelConfigRequest(name=name, version=version)
+        response: pb.ModelConfigResponse = await self.router.call(
+            name, lambda stub: stub.ModelConfig(request, timeout=timeout_s)
+        )
+        config: mc.ModelConfig = response.config
+        return config
+
+    async def statistics(
+        self, name: str = "", version: str = "", timeout_s: float | None = None
+    ) -> list[pb.ModelStatistics]:
+        """Triton's statistics of one model, or of every model (no name)."""
+        if name in self.ensembles.stats:
+            _check_version(name, version)
+            return [self._ensemble_stats(name)]
+        request = pb.ModelStatisticsRequest(name=name, version=version)
+        if name:
+            response: pb.ModelStatisticsResponse = await self.router.call(
+                name, lambda stub: stub.ModelStatistics(request, timeout=timeout_s)
+            )
+            return list(response.model_stats)
+        stats = [self._ensemble_stats(ensemble) for ensemble in self.ensembles.stats]
+        for endpoint in [e for e in self.router.endpoints if e.ready]:
+            try:
+                with remote():
+                    part = await endpoint.stub().ModelStatistics(request, timeout=timeout_s)
+            except MeshError:
+                continue  # a replica that went away has no statistics to add
+            stats.extend(part.model_stats)
+        return stats
+
+    def _ensemble_stats(self, name: str) -> pb.ModelStatistics:
+        return stats_to_proto(name, int(ENSEMBLE_VERSION), self.ensembles.stats[name].stats)
+
+    # The model repository.
+
+    async def index(self, ready_only: bool = False) -> list[pb.RepositoryIndexResponse.ModelIndex]:
+        """Every model of the mesh (each stage's, then the ensembles), with its state."""
+        request = pb.RepositoryIndexRequest(ready=ready_only)
+        rows: list[pb.RepositoryIndexResponse.ModelIndex] = []
+        seen: set[tuple[str, str]] = set()
+        for endpoint in self.router.endpoints:
+            try:
+                with remote():
+                    part = await endpoint.stub().RepositoryIndex(request, timeout=INDEX_TIMEOUT_S)
+            except MeshError:
+                continue  # a stage that cannot be reached lists nothing
+            for model in part.models:
+                if (model.name, model.version) not in seen:
+                    seen.add((model.name, model.version))
+                    rows.append(model)
+        for name in self.ensembles.names():
+            if name in self.ensembles.plans:
+                rows.append(_index_row(name, "READY"))
+            elif not ready_only:
+                reason = self.ensembles.failed.get(name, "not loaded")
+                rows.append(_index_row(name, "UNAVAILABLE", reason))
+        return rows
+
+    async def load(self, name: str, parameters: Mapping[str, pb.ModelRepositoryParameter]) -> None:
+        """Load (or reload) ``name`` where it lives: an ensemble here; any other
+        model on every ready replica of the stage whose index lists it (each
+        stage lists every model its backends host, loaded or not)."""
+        entry = self._entry_to_load(name)
+        if entry is not None and is_ensemble(entry.config):
+            await self.ensembles.load(name)
+            return
+        # The stages' indexes as they are now: a config fixed since the last
+        # refresh names its backend, and only that backend's stage lists it.
+        await self.router.refresh()
+        stages = self.router.listing(name)
+        if not stages:
+            raise NotFound(
+                f"failed to load '{name}', failed to poll from model repository (no stage hosts it)"
+            )
+        targets = [e for e in self.router.endpoints if e.address.stage in stages and e.ready]
+        if not targets:
+            where = ", ".join(f"'{stage}'" for stage in sorted(stages))
+            raise Unavailable(f"failed to load '{name}': stage {where} has no ready replica")
+        request = pb.RepositoryModelLoadRequest(model_name=name)
+        for key, value in parameters.items():
+            request.parameters[key].CopyFrom(value)
+        try:
+            with remote():
+                await asyncio.gather(
+                    *(
+                        e.stub().RepositoryModelLoad(request, timeout=LOAD_TIMEOUT_S)
+                        for e in targets
+                    )
+                )
+        finally:
+            # Succeeded or not: the index now says what the stages hold (and why not).
+            await self.router.refresh()
+
+    def _entry_to_load(self, name: str) -> ModelEntry | None:
+        """The repository's entry of a model to load (None: no repository here);
+        its errors in Triton's words for a failed load."""
+        repository = self.ensembles.repository
+        if repository is None:
+            return None
+        try:
+            return repository.entry(name)
+        except NotFound as exc:
+            raise NotFound(
+                f"failed to load '{name}', failed to poll from model repository ({exc.message})"
+            ) from exc
+        except ConfigError as exc:
+            raise ConfigError(f"failed to load '{name}': {exc.message}") from exc
+
+    async def unload(
+        self, name: str, parameters: Mapping[str, pb.ModelRepositoryParameter]
+    ) -> None:
+        """Stop serving ``name``: an ensemble here, else on every replica serving it."""
+        if name in self.ensembles.plans:
+            self.ensembles.unload(name)
+            return
+        replicas = [e for e in self.router.replicas(name) if e.ready]
+        if not replicas:
+            raise NotFound(f"model '{name}' is not loaded on any stage")
+        request = pb.RepositoryModelUnloadRequest(model_name=name)
+        for key, value in parameters.items():
+            request.parameters[key].CopyFrom(value)
+        with remote():
+            await asyncio.gather(
+                *(
+                    e.stub().RepositoryModelUnload(request, timeout=UNLOAD_TIMEOUT_S)
+                    for e in replicas
+                )
+            )
+        await self.router.refresh()
+
+
+def _index_row(name: str, state: str, reason: str = "") -> pb.RepositoryIndexResponse.ModelIndex:
+    return pb.RepositoryIndexResponse.ModelIndex(
+        name=name, version=ENSEMBLE_VERSION, state=state, reason=reason
+    )
