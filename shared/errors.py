@@ -27,6 +27,18 @@ from __future__ import annotations
 
 import grpc
 
+MAX_MESSAGE_CHARS = 1000
+"""An error's message is cut to this: it may echo what a caller sent (a model
+name of any length), and an oversized gRPC status makes a proxy reset the
+connection it shares with other callers' requests."""
+
+
+def bounded(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``message`` cut to ``limit`` characters, saying how much was left out."""
+    if len(message) <= limit:
+        return message
+    return f"{message[:limit]}... ({len(message) - limit} more characters)"
+
 
 class MeshError(Exception):
     """Base of every error the mesh reports on purpose."""
@@ -35,6 +47,7 @@ class MeshError(Exception):
     http_status: int = 500
 
     def __init__(self, message: str) -> None:
+        message = bounded(message)
         super().__init__(message)
         self.message = message
 
