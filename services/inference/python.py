@@ -174,7 +174,7 @@ class PythonInstance:
         ]
         try:
             responses = self.loaded.call(self.loaded.model.execute, wrapped)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # sys.exit() in model code: the model's fault
             failure = self.loaded.failure(exc)
             return [failure for _ in requests]
         if responses is None:  # sent with each request's response sender instead
@@ -278,7 +278,7 @@ class PythonStreamingInstance:
             if inspect.iscoroutine(result):
                 loaded.instance_loop.start(self._guarded(result, sender, deliver))
                 return
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             deliver(loaded.failure(exc), True)
             return
         if result is not None and not sender.closed:
@@ -293,7 +293,7 @@ class PythonStreamingInstance:
     async def _guarded(self, work: Any, sender: InferenceResponseSender, deliver: Deliver) -> None:
         try:
             await work
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             if not sender.closed:
                 deliver(self.loaded.failure(exc), True)
 

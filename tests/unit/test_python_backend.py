@@ -290,3 +290,24 @@ def test_bls_without_a_bound_stage_is_a_clear_error() -> None:
     assert request.model_name() == "other"  # bytes from a BYTES tensor work as in Triton
     with pytest.raises(pb_utils.TritonModelException, match="no server is bound"):
         request.exec()
+
+
+def test_sys_exit_in_execute_fails_the_batch_not_the_stage(tmp_path: Path) -> None:
+    source = """
+    import sys
+    import triton_python_backend_utils as pb_utils
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            x = pb_utils.get_input_tensor_by_name(requests[0], "X").as_numpy()
+            if x[0] < 0:
+                sys.exit(2)
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]) for _ in requests]
+    """
+    instance = PythonInstance(write_model(tmp_path, ECHO_CONFIG, source), INSTANCE)
+    (failure,) = instance.execute([echo_request(-1)])
+    assert isinstance(failure, errors.MeshError)
+    assert failure.message == errors.GENERIC_INTERNAL_MESSAGE
+    (answer,) = instance.execute([echo_request(4)])  # the instance still serves
+    assert isinstance(answer, InferResponse)
+    assert answer.outputs["Y"].tolist() == [4]
