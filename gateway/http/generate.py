@@ -44,7 +44,7 @@ from aiohttp import web
 
 from gateway.http import sse
 from gateway.http.documents import json_object
-from gateway.http.openai_documents import InvalidParam, kind, sampling_params
+from gateway.http.openai_protocol import InvalidParam, kind, sampling_params
 from gateway.http.upstream import Upstream
 from inference import grpc_service_pb2 as pb
 from shared import jsontext

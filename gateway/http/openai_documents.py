@@ -1,13 +1,10 @@
 """OpenAI request JSON <-> meshserve.v1 messages, and the OpenAI response documents.
 
-Requests are checked here so a client gets a 400 that names the field
-(``error.param``). Accepted beyond OpenAI's fields, as vLLM does: ``top_k``,
-``repetition_penalty``, ``stop_token_ids``. Fields the mesh cannot honour
-(``n`` > 1, frequency/presence penalties, logprobs, tools, ``echo``, ...) are
-refused with ``unsupported_parameter`` unless they carry their neutral value;
-fields that do not change the answer (``user``, ``metadata``, ...) and unknown
-ones are ignored, as vLLM ignores them. vLLM's ``/tokenize`` and ``/detokenize``
-bodies are read here too.
+Request bodies are checked by their protocol classes (``openai_protocol``),
+so a client gets a 400 that names the field (``error.param``); here they
+become meshserve.v1 requests. Accepted beyond OpenAI's fields, as vLLM does:
+``top_k``, ``repetition_penalty``, ``stop_token_ids``. vLLM's ``/tokenize``
+and ``/detokenize`` bodies are read here too.
 
 Nothing here knows aiohttp or gRPC: functions take dicts and protos.
 """
@@ -15,7 +12,6 @@ Nothing here knows aiohttp or gRPC: functions take dicts and protos.
 from __future__ import annotations
 
 import base64
-import json
 import time
 import uuid
 from collections.abc import Mapping
@@ -24,42 +20,23 @@ from typing import Any
 
 import numpy as np
 
+from gateway.http.openai_protocol import (
+    DEFAULT_EMBEDDER,
+    DEFAULT_LLM,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    InvalidParam,
+    TokenizeRequest,
+    kind,
+    parse,
+)
 from meshserve.v1 import meshserve_pb2 as api
-from shared.errors import InvalidArgument, Unavailable
+from shared.errors import Unavailable
 
-DEFAULT_LLM = "llm"
-DEFAULT_EMBEDDER = "text_embedding"
-_INT32 = 2**31 - 1
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-# Field -> the values that ask for nothing this server lacks.
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
-    "frequency_penalty": (None, 0),
-    "presence_penalty": (None, 0),
-    "logit_bias": (None, {}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "modalities": (None, ["text"]),
-    "best_of": (None, 1),
-    "echo": (None, False),
-    "suffix": (None, ""),
-}
-# vLLM's /tokenize fields the mesh's tokenizer step does not take, and their neutral values.
-_TOKENIZE_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "add_generation_prompt": (None, True),
-    "continue_final_message": (None, False),
-    "return_token_strs": (None, False),
-    "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
-    "tools": (None, []),
-    "mm_processor_kwargs": (None, {}),
-    "media_io_kwargs": (None, {}),
-}
+__all__ = ["DEFAULT_EMBEDDER", "DEFAULT_LLM", "InvalidParam", "kind"]
+
 # The OpenAI error "type" for an HTTP status (the status itself comes from shared.errors).
 _ERROR_TYPES = {
     401: "authentication_error",
@@ -70,15 +47,6 @@ _ERROR_TYPES = {
     503: "service_unavailable_error",
     504: "timeout_error",
 }
-
-
-class InvalidParam(InvalidArgument):
-    """A request field is wrong; ``param`` names it in the OpenAI error body."""
-
-    def __init__(self, param: str, message: str, error_code: str = "invalid_value") -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-        self.error_code = error_code
 
 
 def error_document(status: int, message: str, exc: BaseException | None = None) -> dict[str, Any]:
@@ -97,195 +65,40 @@ def error_document(status: int, message: str, exc: BaseException | None = None) 
 # --- request JSON -> MeshService requests (pure) --------------------------------------
 
 
-def kind(value: Any) -> str:
-    """The JSON type name of a parsed value, for error messages."""
-    names = {bool: "boolean", int: "number", float: "number", str: "string", list: "array"}
-    return "null" if value is None else names.get(type(value), "object")
-
-
-def _number(body: Mapping[str, Any], name: str, low: float, high: float) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidParam(name, f"expected a number, got {kind(value)}")
-    if not low <= value <= high:
-        raise InvalidParam(name, f"must be between {low:g} and {high:g}, got {value}")
-    return float(value)
-
-
-def _integer(body: Mapping[str, Any], name: str, low: int, high: int = _INT32) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidParam(name, f"expected an integer, got {kind(value)}")
-    if not low <= value <= high:
-        raise InvalidParam(name, f"must be between {low} and {high}, got {value}")
-    return value
-
-
-def _strings(body: Mapping[str, Any], name: str) -> list[str]:
-    value = body.get(name)
-    values = [value] if isinstance(value, str) else [] if value is None else value
-    if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
-        raise InvalidParam(name, "expected a non-empty string or a list of non-empty strings")
-    return values
-
-
-def _reject_unsupported(
-    body: Mapping[str, Any], table: Mapping[str, tuple[Any, ...]] = _NEUTRAL
-) -> None:
-    for name, neutral in table.items():
-        value = body.get(name)
-        if not any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral):
-            accepted = ", ".join(json.dumps(n) for n in neutral[1:])
-            message = f"not supported by this server (accepted: {accepted})"
-            raise InvalidParam(name, message, "unsupported_parameter")
-
-
-def sampling_params(body: Mapping[str, Any]) -> api.SamplingParams:
-    """The sampling fields of a (chat) completion request."""
-    _reject_unsupported(body)
-    params = api.SamplingParams(stop=_strings(body, "stop"))
-    ids = body.get("stop_token_ids") or []
-    if not isinstance(ids, list) or not all(
-        isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= _INT32 for i in ids
-    ):
-        raise InvalidParam("stop_token_ids", "expected a list of token ids (integers >= 0)")
-    params.stop_token_ids.extend(ids)
-    floats = {
-        "temperature": _number(body, "temperature", 0.0, 2.0),
-        "top_p": _number(body, "top_p", 0.0, 1.0),
-        "repetition_penalty": _number(body, "repetition_penalty", 0.01, 10.0),
-    }
-    if floats["top_p"] == 0.0:
-        raise InvalidParam("top_p", "must be greater than 0")
-    limit = _integer(body, "max_tokens", 1)
-    ints = {
-        # max_completion_tokens is the newer name; it wins when both are sent.
-        "max_tokens": _integer(body, "max_completion_tokens", 1) or limit,
-        "top_k": _integer(body, "top_k", -1),
-        "seed": _integer(body, "seed", -_INT32 - 1),
-    }
-    for name, value in {**floats, **ints}.items():
-        if value is not None:
-            setattr(params, name, value)
-    return params
-
-
-def _model(body: Mapping[str, Any], default: str) -> str:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidParam("model", f"expected a string, got {kind(model)}")
-    return model or default
-
-
-def _content(value: Any, where: str) -> str:
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise InvalidParam(where, f"expected a string or a list of text parts, got {kind(value)}")
-    texts = []
-    for i, part in enumerate(value):
-        if not (isinstance(part, dict) and part.get("type") == "text"):
-            raise InvalidParam(f"{where}[{i}]", "only parts of type 'text' are supported")
-        if not isinstance(part.get("text"), str):
-            raise InvalidParam(f"{where}[{i}].text", "expected a string")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def chat_messages(value: Any) -> list[api.ChatMessage]:
-    """OpenAI ``messages`` (string or text-part content) as ChatMessages."""
-    if not isinstance(value, list) or not value:
-        raise InvalidParam("messages", "expected a non-empty list of messages")
-    messages = []
-    for i, message in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise InvalidParam(where, f"expected an object, got {kind(message)}")
-        role = message.get("role")
-        if not isinstance(role, str) or role not in _ROLES:
-            raise InvalidParam(f"{where}.role", f"expected one of {sorted(_ROLES)}, got {role!r}")
-        if "content" not in message:
-            raise InvalidParam(f"{where}.content", "required")
-        content = _content(message["content"], f"{where}.content")
-        messages.append(api.ChatMessage(role=_ROLES[role], content=content))
-    return messages
-
-
-def _streaming(body: Mapping[str, Any]) -> tuple[bool, bool]:
-    stream, options = body.get("stream") or False, body.get("stream_options") or {}
-    if not isinstance(stream, bool):
-        raise InvalidParam("stream", f"expected a boolean, got {kind(stream)}")
-    usage = options.get("include_usage", False) if isinstance(options, dict) else None
-    if not isinstance(usage, bool):
-        raise InvalidParam("stream_options", "expected an object with boolean include_usage")
-    return stream, usage
-
-
 def chat_request(body: Mapping[str, Any]) -> tuple[api.ChatRequest, Generation]:
     """A ``/v1/chat/completions`` body as a ChatRequest and its answer's bookkeeping."""
-    model = _model(body, DEFAULT_LLM)
-    message = api.ChatRequest(
-        messages=chat_messages(body.get("messages")), model=model, sampling=sampling_params(body)
-    )
-    return message, Generation(True, model, *_streaming(body))
+    request = parse(ChatCompletionRequest, body)
+    model = request.model or DEFAULT_LLM
+    message = api.ChatRequest(messages=request.messages, model=model, sampling=request.sampling())
+    return message, Generation(True, model, request.stream, request.stream_options)
 
 
 def completion_request(body: Mapping[str, Any]) -> tuple[api.GenerateRequest, Generation]:
     """A ``/v1/completions`` body (one prompt string) as a GenerateRequest."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        problem = "expected one non-empty string (token arrays and batches are not supported)"
-        raise InvalidParam("prompt", problem)
-    model = _model(body, DEFAULT_LLM)
-    message = api.GenerateRequest(prompt=prompt, model=model, sampling=sampling_params(body))
-    return message, Generation(False, model, *_streaming(body))
+    request = parse(CompletionRequest, body)
+    model = request.model or DEFAULT_LLM
+    message = api.GenerateRequest(prompt=request.prompt, model=model, sampling=request.sampling())
+    return message, Generation(False, model, request.stream, request.stream_options)
 
 
 def embed_request(body: Mapping[str, Any]) -> tuple[api.EmbedRequest, str, int | None]:
     """A ``/v1/embeddings`` body as an EmbedRequest, the encoding and dimensions asked for."""
-    texts = body.get("input")
-    texts = [texts] if isinstance(texts, str) else texts
-    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-        problem = "expected a string or a list of strings (token arrays are not supported)"
-        raise InvalidParam("input", problem)
-    encoding = body.get("encoding_format") or "float"
-    if encoding not in ("float", "base64"):
-        raise InvalidParam("encoding_format", f"expected 'float' or 'base64', got {encoding!r}")
-    request = api.EmbedRequest(texts=texts, model=_model(body, DEFAULT_EMBEDDER))
-    return request, encoding, _integer(body, "dimensions", 1)
+    request = parse(EmbeddingRequest, body)
+    message = api.EmbedRequest(texts=request.input, model=request.model or DEFAULT_EMBEDDER)
+    return message, request.encoding_format, request.dimensions
 
 
 def tokenize_request(body: Mapping[str, Any]) -> api.TokenizeRequest:
     """A vLLM ``/tokenize`` body (a ``prompt`` or chat ``messages``) as a TokenizeRequest."""
-    chat = "messages" in body
-    if chat == ("prompt" in body):
+    if ("messages" in body) == ("prompt" in body):
         raise InvalidParam("prompt", "send exactly one of prompt and messages")
-    # The ids are the pipeline's, as it feeds its engine: vLLM's defaults are
-    # what it does; asking for anything else is refused, not ignored.
-    _reject_unsupported(body, {**_TOKENIZE_NEUTRAL, "add_special_tokens": (None, not chat)})
-    model = _model(body, DEFAULT_LLM)
-    if chat:
-        return api.TokenizeRequest(model=model, messages=chat_messages(body["messages"]))
-    prompt = body["prompt"]
-    if not isinstance(prompt, str) or not prompt:
-        raise InvalidParam("prompt", "expected a non-empty string")
-    return api.TokenizeRequest(model=model, prompt=prompt)
+    return parse(TokenizeRequest, body).message()
 
 
 def detokenize_request(body: Mapping[str, Any]) -> api.DetokenizeRequest:
     """A vLLM ``/detokenize`` body (``tokens``) as a DetokenizeRequest."""
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _INT32 for t in tokens
-    ):
-        raise InvalidParam("tokens", "expected a list of token ids (integers >= 0)")
-    return api.DetokenizeRequest(model=_model(body, DEFAULT_LLM), tokens=tokens)
+    request = parse(DetokenizeRequest, body)
+    return api.DetokenizeRequest(model=request.model or DEFAULT_LLM, tokens=request.tokens)
 
 
 def tokenize_document(response: api.TokenizeResponse) -> dict[str, Any]:
