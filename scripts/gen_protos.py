@@ -4,9 +4,11 @@
     python scripts/gen_protos.py --check    # exit 1, listing stale files, if out of date
     python scripts/gen_protos.py --descriptor-set out.pb   # also write a descriptor set
 
-For each protos/<pkg>/<name>.proto this writes <name>_pb2.py, <name>_pb2.pyi and
-<name>_pb2_grpc.py next to it, with grpc_tools.protoc (the protoc bundled with
-grpcio-tools, so the output depends only on the pinned grpcio-tools version). Import
+For each protos/<pkg>/<name>.proto this writes <name>_pb2.py, <name>_pb2.pyi,
+<name>_pb2_grpc.py and <name>_pb2_grpc.pyi next to it, with grpc_tools.protoc (the
+protoc bundled with grpcio-tools) and mypy-protobuf's protoc-gen-mypy_grpc plugin
+for the typed stubs and servicers, so the output depends only on those two pinned
+versions. Import
 paths are relative to protos/, so with protos/ on sys.path the generated modules
 import as `inference.grpc_service_pb2` and `meshserve.v1.meshserve_pb2`.
 
@@ -40,7 +42,7 @@ PROTO_ROOT = REPO_ROOT / "protos"
 VENDOR_DIR = Path("third_party") / "googleapis"
 VENDORED_PROTOS = ("google/api/annotations.proto", "google/api/http.proto")
 
-GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
 
 
 def googleapis_include_dir() -> Path:
@@ -68,6 +70,14 @@ def _is_vendored(relative: Path) -> bool:
     return relative.parts[: len(VENDOR_DIR.parts)] == VENDOR_DIR.parts
 
 
+def mypy_grpc_plugin() -> Path:
+    """mypy-protobuf's protoc plugin, installed beside this interpreter (no PATH needed)."""
+    plugin = Path(sys.executable).parent / "protoc-gen-mypy_grpc"
+    if not plugin.is_file():
+        raise RuntimeError(f"{plugin} is missing: install the test extras (mypy-protobuf)")
+    return plugin
+
+
 def _run_protoc(args: list[str], proto_root: Path) -> None:
     include_args = [
         f"-I{proto_root}",
@@ -91,7 +101,14 @@ def build_descriptor_set(out_path: Path, proto_root: Path = PROTO_ROOT) -> Path:
 def render(out_dir: Path, proto_root: Path = PROTO_ROOT) -> None:
     """Write every file this script owns under protos/ into out_dir, mirroring the layout."""
     _run_protoc(
-        [f"--python_out={out_dir}", f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}"],
+        [
+            f"--python_out={out_dir}",
+            f"--pyi_out={out_dir}",
+            f"--grpc_python_out={out_dir}",
+            f"--plugin=protoc-gen-mypy_grpc={mypy_grpc_plugin()}",
+            "--mypy_grpc_opt=quiet",
+            f"--mypy_grpc_out={out_dir}",
+        ],
         proto_root,
     )
     googleapis = googleapis_include_dir()
@@ -160,7 +177,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.check:
             if stale:
                 tools = metadata.version("grpcio-tools")
-                print(f"stale generated files under protos/ (grpcio-tools {tools}):")
+                typed = metadata.version("mypy-protobuf")
+                print(
+                    f"stale generated files under protos/ "
+                    f"(grpcio-tools {tools}, mypy-protobuf {typed}):"
+                )
                 for name, reason in stale:
                     print(f"  protos/{name}: {reason}")
                 print("run: python scripts/gen_protos.py")

@@ -12,9 +12,10 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
+from google.protobuf.message import Message
 
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
@@ -184,7 +185,7 @@ def stats_to_proto(name: str, version: int, stats: ModelStats) -> pb.ModelStatis
     return message
 
 
-class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
     """The RPCs every v2 server in the mesh answers the same way."""
 
     def __init__(self) -> None:
@@ -196,15 +197,29 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             "log_format": "default",
         }
 
-    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> Any:
+    async def ServerLive(
+        self,
+        request: pb.ServerLiveRequest,
+        context: grpc.aio.ServicerContext[pb.ServerLiveRequest, pb.ServerLiveResponse],
+    ) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
-    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> Any:
+    async def ServerMetadata(
+        self,
+        request: pb.ServerMetadataRequest,
+        context: grpc.aio.ServicerContext[pb.ServerMetadataRequest, pb.ServerMetadataResponse],
+    ) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(
             name=SERVER_NAME, version=SERVER_VERSION, extensions=list(EXTENSIONS)
         )
 
-    async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> None:
+    # The stubs type a streaming handler as a response iterator; this one writes
+    # with context.write instead (see below), which grpc.aio equally accepts.
+    async def ModelStreamInfer(  # type: ignore[override]
+        self,
+        request_iterator: AsyncIterator[pb.ModelInferRequest],
+        context: grpc.aio.ServicerContext[pb.ModelInferRequest, pb.ModelStreamInferResponse],
+    ) -> None:
         # Requests of one stream run concurrently; each response is written as
         # soon as it is ready (by the request's own task: no hand-off to another
         # task on the way out), and a failed request becomes error_message, not
@@ -249,26 +264,44 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                 # Let the cancelled requests finish their clean-up (an engine abort) first.
                 await asyncio.wait(list(tasks), timeout=10)
 
+    async def ModelInfer(
+        self,
+        request: pb.ModelInferRequest,
+        context: grpc.aio.ServicerContext[pb.ModelInferRequest, pb.ModelInferResponse],
+    ) -> pb.ModelInferResponse:
+        """Each v2 server infers its own way; ``stream_responses`` answers with it."""
+        raise Unimplemented("ModelInfer is not served here")
+
     async def stream_responses(
-        self, request: pb.ModelInferRequest, context: Any
+        self,
+        request: pb.ModelInferRequest,
+        context: grpc.aio.ServicerContext[pb.ModelInferRequest, pb.ModelStreamInferResponse],
     ) -> AsyncIterator[pb.ModelInferResponse]:
         """Every response to one request of a ModelStreamInfer stream (here: one).
 
         Responses carry Triton's ``triton_final_response`` parameter; servers
         that host decoupled models yield several, the last one final.
         """
-        answer = await self.ModelInfer(request, context)  # type: ignore[no-untyped-call]
+        answer = await self.ModelInfer(request, context)
         answer.parameters[FINAL_RESPONSE].bool_param = True
         yield answer
 
-    async def TraceSetting(self, request: pb.TraceSettingRequest, context: Any) -> Any:
+    async def TraceSetting(
+        self,
+        request: pb.TraceSettingRequest,
+        context: grpc.aio.ServicerContext[pb.TraceSettingRequest, pb.TraceSettingResponse],
+    ) -> pb.TraceSettingResponse:
         # Tracing is OpenTelemetry, configured per service at start; report it.
         response = pb.TraceSettingResponse()
         response.settings["trace_mode"].value.append("opentelemetry")
         response.settings["trace_level"].value.append("TIMESTAMPS")
         return response
 
-    async def LogSettings(self, request: pb.LogSettingsRequest, context: Any) -> Any:
+    async def LogSettings(
+        self,
+        request: pb.LogSettingsRequest,
+        context: grpc.aio.ServicerContext[pb.LogSettingsRequest, pb.LogSettingsResponse],
+    ) -> pb.LogSettingsResponse:
         for key, value in request.settings.items():
             if key not in self._log_settings:
                 raise InvalidArgument(
@@ -289,7 +322,9 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                 setting.string_param = str(value)
         return response
 
-    async def _no_shared_memory(self, *_: Any) -> Any:
+    async def _no_shared_memory(
+        self, request: Message, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> NoReturn:
         raise Unimplemented(
             "shared-memory tensors are not supported by meshserve; "
             "send tensors in raw_input_contents"
@@ -310,17 +345,29 @@ class InferenceServicer(BaseServicer):
         super().__init__()
         self.manager = manager
 
-    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> Any:
+    async def ServerReady(
+        self,
+        request: pb.ServerReadyRequest,
+        context: grpc.aio.ServicerContext[pb.ServerReadyRequest, pb.ServerReadyResponse],
+    ) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self.manager.all_ready())
 
-    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> Any:
+    async def ModelReady(
+        self,
+        request: pb.ModelReadyRequest,
+        context: grpc.aio.ServicerContext[pb.ModelReadyRequest, pb.ModelReadyResponse],
+    ) -> pb.ModelReadyResponse:
         try:
             ready = self.manager.get(request.name, request.version).ready
         except MeshError:
             ready = False
         return pb.ModelReadyResponse(ready=ready)
 
-    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> Any:
+    async def ModelMetadata(
+        self,
+        request: pb.ModelMetadataRequest,
+        context: grpc.aio.ServicerContext[pb.ModelMetadataRequest, pb.ModelMetadataResponse],
+    ) -> pb.ModelMetadataResponse:
         model = self.manager.get(request.name, request.version)
         versions = sorted(v.version for v in self.manager.loaded() if v.name == request.name)
         config = model.spec.config
@@ -338,7 +385,11 @@ class InferenceServicer(BaseServicer):
                 target.add(name=name, datatype=datatype, shape=shape)
         return response
 
-    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> Any:
+    async def ModelInfer(
+        self,
+        request: pb.ModelInferRequest,
+        context: grpc.aio.ServicerContext[pb.ModelInferRequest, pb.ModelInferResponse],
+    ) -> pb.ModelInferResponse:
         model = self.manager.get(request.model_name, request.model_version)
         domain = to_domain(request)
         wanted = classification(request, model.spec.config, model.spec.model_dir)
@@ -346,7 +397,9 @@ class InferenceServicer(BaseServicer):
         return to_proto(domain, model.version, response, [o.name for o in model.spec.config.output])
 
     async def stream_responses(
-        self, request: pb.ModelInferRequest, context: Any
+        self,
+        request: pb.ModelInferRequest,
+        context: grpc.aio.ServicerContext[pb.ModelInferRequest, pb.ModelStreamInferResponse],
     ) -> AsyncIterator[pb.ModelInferResponse]:
         """A decoupled model's responses as they come; any other model's one answer."""
         model = self.manager.get(request.model_name, request.model_version)
@@ -362,11 +415,19 @@ class InferenceServicer(BaseServicer):
                 message.parameters[FINAL_RESPONSE].bool_param = response.final
                 yield message
 
-    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> Any:
+    async def ModelConfig(
+        self,
+        request: pb.ModelConfigRequest,
+        context: grpc.aio.ServicerContext[pb.ModelConfigRequest, pb.ModelConfigResponse],
+    ) -> pb.ModelConfigResponse:
         model = self.manager.get(request.name, request.version)
         return pb.ModelConfigResponse(config=_with_runtime(model.spec.config, model))
 
-    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> Any:
+    async def ModelStatistics(
+        self,
+        request: pb.ModelStatisticsRequest,
+        context: grpc.aio.ServicerContext[pb.ModelStatisticsRequest, pb.ModelStatisticsResponse],
+    ) -> pb.ModelStatisticsResponse:
         if request.name:
             versions = (
                 [self.manager.get(request.name, request.version)]
@@ -384,7 +445,11 @@ class InferenceServicer(BaseServicer):
             )
         return response
 
-    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> Any:
+    async def RepositoryIndex(
+        self,
+        request: pb.RepositoryIndexRequest,
+        context: grpc.aio.ServicerContext[pb.RepositoryIndexRequest, pb.RepositoryIndexResponse],
+    ) -> pb.RepositoryIndexResponse:
         rows = self.manager.index(ready_only=request.ready)
         return pb.RepositoryIndexResponse(
             models=[
@@ -396,8 +461,12 @@ class InferenceServicer(BaseServicer):
         )
 
     async def RepositoryModelLoad(
-        self, request: pb.RepositoryModelLoadRequest, context: Any
-    ) -> Any:
+        self,
+        request: pb.RepositoryModelLoadRequest,
+        context: grpc.aio.ServicerContext[
+            pb.RepositoryModelLoadRequest, pb.RepositoryModelLoadResponse
+        ],
+    ) -> pb.RepositoryModelLoadResponse:
         override = request.parameters.get("config")
         if any(key.startswith("file:") for key in request.parameters):
             raise Unimplemented(
@@ -410,15 +479,19 @@ class InferenceServicer(BaseServicer):
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(
-        self, request: pb.RepositoryModelUnloadRequest, context: Any
-    ) -> Any:
+        self,
+        request: pb.RepositoryModelUnloadRequest,
+        context: grpc.aio.ServicerContext[
+            pb.RepositoryModelUnloadRequest, pb.RepositoryModelUnloadResponse
+        ],
+    ) -> pb.RepositoryModelUnloadResponse:
         await self.manager.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
 
 def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
     """Register the servicer (the shape ``ServiceParts.servicers`` expects)."""
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
 
 
 def _with_runtime(config: mc.ModelConfig, model: ModelVersion) -> mc.ModelConfig:

@@ -56,12 +56,14 @@ def test_check_reports_edited_missing_and_orphaned_files(tmp_path: Path) -> None
     edited = proto_root / "inference" / "grpc_service_pb2.py"
     edited.write_text(edited.read_text() + "\n# hand edit\n")
     (proto_root / "meshserve" / "v1" / "meshserve_pb2.pyi").unlink()
+    (proto_root / "inference" / "grpc_service_pb2_grpc.pyi").unlink()  # the typed stubs
     (proto_root / "inference" / "removed_pb2.py").write_text("# orphan\n")
     vendored = proto_root / "third_party" / "googleapis" / "google" / "api" / "http.proto"
     vendored.write_text("// drifted\n")
 
     assert gen.stale_files(fresh, proto_root) == [
         ("inference/grpc_service_pb2.py", "differs"),
+        ("inference/grpc_service_pb2_grpc.pyi", "missing"),
         ("inference/removed_pb2.py", "no longer generated"),
         ("meshserve/v1/meshserve_pb2.pyi", "missing"),
         ("third_party/googleapis/google/api/http.proto", "differs"),
