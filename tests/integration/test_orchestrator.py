@@ -1,10 +1,13 @@
-"""The orchestrator in front of real stage processes: forwarding, ensembles as
-dataflow graphs, load-time validation, errors naming the step, replicas."""
+"""The orchestrator in front of real stages: forwarding, ensembles as dataflow
+graphs, load-time validation, errors naming the step, replicas.
+
+The stages and the orchestrator are served in this process (tests/in_process.py);
+tritonclient runs in a child process: its generated ``inference`` modules
+cannot share a process with ours."""
 
 from __future__ import annotations
 
 import shutil
-import signal
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -19,7 +22,8 @@ from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.tensors import decode_outputs, encode_inputs
 from tests.conftest import DATA
-from tests.harness import ServiceProcess, run_client
+from tests.harness import run_client
+from tests.in_process import MeshThread
 
 
 def scale_model(repo: Path, name: str, factor: float, sleep_ms: int = 0) -> None:
@@ -68,29 +72,17 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stages(repo: Path) -> Iterator[list[ServiceProcess]]:
-    replicas = [
-        ServiceProcess("services.inference.main", ["--model-repository", str(repo)])
-        for _ in range(2)
-    ]
-    yield replicas
-    for replica in replicas:
-        replica.stop()
-
-
-@pytest.fixture(scope="module")
-def orchestrator(repo: Path, stages: list[ServiceProcess]) -> Iterator[ServiceProcess]:
-    args = ["--model-repository", str(repo), "--metrics-port", "-1", "--refresh-interval-s", "0.5"]
-    for stage in stages:
-        args += ["--stages", f"inference={stage.address}"]
-    process = ServiceProcess("services.orchestrator.main", args)
-    yield process
-    process.stop()
+def mesh(repo: Path) -> Iterator[MeshThread]:
+    """Two inference replicas and the orchestrator, served in this process."""
+    # No grace: a stage stopped by a test goes at once, as a killed one would.
+    served = MeshThread(repo, replicas=2, refresh_interval_s=0.5, grace_s=0)
+    yield served
+    served.close()
 
 
 @pytest.fixture
-def stub(orchestrator: ServiceProcess) -> Iterator[pb_grpc.GRPCInferenceServiceStub]:
-    with grpc.insecure_channel(orchestrator.address) as channel:
+def stub(mesh: MeshThread) -> Iterator[pb_grpc.GRPCInferenceServiceStub]:
+    with grpc.insecure_channel(mesh.address) as channel:
         yield pb_grpc.GRPCInferenceServiceStub(channel)
 
 
@@ -132,15 +124,13 @@ def test_ensemble_equals_its_steps_called_one_by_one(
         np.testing.assert_array_equal(decode_outputs(stub.ModelInfer(request))["Y"], whole[output])
 
 
-def test_tritonclient_through_the_orchestrator(
-    orchestrator: ServiceProcess, tmp_path: Path
-) -> None:
+def test_tritonclient_through_the_orchestrator(mesh: MeshThread, tmp_path: Path) -> None:
     a = np.full((1, 4), 5, dtype=np.float32)
     b = np.full((1, 4), 2, dtype=np.float32)
     np.savez(tmp_path / "in.npz", A=a, B=b)
     answer = run_client(
         "infer_npz.py",
-        orchestrator.address,
+        mesh.address,
         "diamond",
         str(tmp_path / "in.npz"),
         str(tmp_path / "out.npz"),
@@ -150,7 +140,7 @@ def test_tritonclient_through_the_orchestrator(
     with np.load(tmp_path / "out.npz") as out:
         assert out["SUM_X2"].tolist() == [[14.0] * 4]
         assert out["DIFF_X3"].tolist() == [[9.0] * 4]
-    info = run_client("model_info.py", orchestrator.address, "diamond")
+    info = run_client("model_info.py", mesh.address, "diamond")
     assert info["metadata"]["platform"] == "ensemble"
     assert info["ready"] is True
     assert {m["name"] for m in info["index"]} >= {"diamond", "add_sub", "double"}
@@ -288,10 +278,7 @@ def double_request() -> pb.ModelInferRequest:
 
 
 def test_replica_killed_under_load_requests_keep_succeeding_then_unavailable(
-    repo: Path,
-    stages: list[ServiceProcess],
-    orchestrator: ServiceProcess,
-    stub: pb_grpc.GRPCInferenceServiceStub,
+    mesh: MeshThread, stub: pb_grpc.GRPCInferenceServiceStub
 ) -> None:
     stop = threading.Event()
     failures: list[str] = []
@@ -309,13 +296,13 @@ def test_replica_killed_under_load_requests_keep_succeeding_then_unavailable(
         for _ in range(4):
             pool.submit(generate)
         time.sleep(0.5)
-        stages[0].signal(signal.SIGKILL)
+        mesh.run(mesh.mesh.stages[0].stop())
         time.sleep(1.5)
         stop.set()
     assert failures == []
     assert successes[0] > 20
 
-    stages[1].signal(signal.SIGKILL)
+    mesh.run(mesh.mesh.stages[1].stop())
     time.sleep(0.2)
     with pytest.raises(grpc.RpcError) as caught:
         stub.ModelInfer(double_request(), timeout=10)

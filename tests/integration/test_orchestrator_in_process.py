@@ -1,18 +1,16 @@
 """The orchestrator and its stages in one process: the core, both front doors, the
 router and streams, each a real grpc.aio server on port 0 in the test's event loop.
 
-Python-backend stages serve the test models; the orchestrator is built as its
-``main`` builds it. No process is spawned, so each test starts its own mesh.
+Python-backend stages serve the test models (tests/in_process.py). No process
+is spawned, so each test starts its own mesh.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import shutil
 import textwrap
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -20,18 +18,12 @@ import numpy as np
 import pytest
 
 from inference import grpc_service_pb2 as pb
-from inference import grpc_service_pb2_grpc as pb_grpc
 from meshserve.v1 import meshserve_pb2 as api
-from meshserve.v1 import meshserve_pb2_grpc as api_grpc
-from services.inference.python import PythonBackend
-from services.orchestrator.core import Orchestrator
-from services.orchestrator.main import OrchestratorConfig, build_parts
 from shared.errors import InvalidArgument, NotFound, Unavailable
-from shared.server import MeshServer
 from shared.servicer import FINAL_RESPONSE
-from shared.stage import StageConfig, build_stage_parts
 from shared.tensors import decode_outputs, encode_inputs
 from tests.conftest import DATA
+from tests.in_process import Mesh, running
 
 # add_sub, then its sum doubled and its difference tripled, concurrently.
 DIAMOND = """
@@ -117,63 +109,6 @@ def repo(tmp_path: Path) -> Path:
     _ensemble(tmp_path, "diamond", DIAMOND, 8)
     _ensemble(tmp_path, "negated_repeat", NEGATED_REPEAT, 0)
     return tmp_path
-
-
-@dataclass
-class Mesh:
-    """Stage replicas and the orchestrator, with clients of both front doors."""
-
-    stages: list[MeshServer]
-    core: Orchestrator
-    v2: pb_grpc.GRPCInferenceServiceStub
-    api: api_grpc.MeshServiceStub
-
-
-@contextlib.asynccontextmanager
-async def running(
-    repo: Path, replicas: int = 1, load: list[str] | None = None
-) -> AsyncIterator[Mesh]:
-    """Start ``replicas`` inference stages and the orchestrator in this event loop."""
-    stages = []
-    for index in range(replicas):
-        config = StageConfig(
-            service_name=f"inference-{index}",
-            model_repository=repo,
-            load_models=load or [],
-            grace_period_s=1,
-        )
-        stages.append(MeshServer(config, build_stage_parts(config, {"python": PythonBackend()})))
-    orchestrator: MeshServer | None = None
-    channel: grpc.aio.Channel | None = None
-    try:
-        for stage in stages:
-            await stage.start()
-        config = OrchestratorConfig(
-            grpc_port=0,
-            metrics_port=-1,
-            grace_period_s=1,
-            stages=[f"inference={stage.address}" for stage in stages],
-            model_repository=repo,
-            refresh_interval_s=300,  # no refresh while a test runs: the router is what it saw
-        )
-        parts = build_parts(config)
-        orchestrator = MeshServer(config, parts)
-        await orchestrator.start()
-        channel = grpc.aio.insecure_channel(orchestrator.address)
-        core = parts.servicers[0][1].core
-        yield Mesh(
-            stages,
-            core,
-            pb_grpc.GRPCInferenceServiceStub(channel),  # type: ignore[no-untyped-call]
-            api_grpc.MeshServiceStub(channel),  # type: ignore[no-untyped-call]
-        )
-    finally:
-        if channel is not None:
-            await channel.close()
-        if orchestrator is not None:
-            await orchestrator.stop()
-        for stage in stages:
-            await stage.stop()
 
 
 def in_mesh(
