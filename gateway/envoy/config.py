@@ -20,26 +20,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.envoy.access import JwtAuth, RateLimit, access_filters, route_rate_limits
+
+__all__ = ["EdgeSettings", "JwtAuth", "Limits", "RateLimit", "build_config"]
+
 MESH_SERVICE = "meshserve.v1.MeshService"
 _TYPES = "type.googleapis.com/envoy.extensions"
 
 
 @dataclass(frozen=True)
-class JwtAuth:
-    """JWT bearer tokens checked against a local JWKS file."""
+class Limits:
+    """Timeouts and per-connection bounds: what an idle or slow client may hold."""
 
-    jwks_file: Path
-    issuer: str = "meshserve-dev"
-    audiences: tuple[str, ...] = ("meshserve",)
-
-
-@dataclass(frozen=True)
-class RateLimit:
-    """A token bucket shared by all requests on the listener."""
-
-    max_tokens: int
-    tokens_per_fill: int
-    fill_interval_s: float = 1.0
+    request_headers_timeout_s: float = 10.0
+    """A connection that has not sent a request's headers by then is closed (slowloris)."""
+    stream_idle_timeout_s: float = 300.0
+    """A request with no bytes either way for this long is reset; above a token stream's gaps."""
+    connection_idle_timeout_s: float = 60.0
+    """A connection with no request for this long is closed."""
+    max_connections: int = 10_000
+    """Open downstream connections on the listener (and the whole process)."""
+    max_streams_per_connection: int = 100
+    """Concurrent HTTP/2 streams one connection may open."""
+    connection_buffer_bytes: int = 1024 * 1024
+    """Read and write buffer per connection before Envoy applies back-pressure."""
 
 
 @dataclass(frozen=True)
@@ -48,22 +52,25 @@ class EdgeSettings:
 
     listen_host: str
     listen_port: int
-    admin_port: int
+    admin_socket: Path
+    """Unix socket of Envoy's admin interface (mode 0600); no TCP port."""
     orchestrator: str
     """host:port of the orchestrator (gRPC)."""
     http_adapter: str
     """host:port of the HTTP adapter."""
     descriptor_set: Path
     """FileDescriptorSet of meshserve.v1 (see descriptors.py)."""
+    shutdown_flag: Path
+    """File main.py writes 1 into at shutdown: Envoy then answers new requests 503."""
     max_request_bytes: int = 16 * 1024 * 1024
     request_timeout_s: float = 60.0
     auth: JwtAuth | None = None
     rate_limit: RateLimit | None = None
+    limits: Limits = Limits()
     tls_cert: Path | None = None
     tls_key: Path | None = None
     otlp_endpoint: str | None = None
     access_log: bool = True
-    max_connections: int = 10_000
     extra_clusters: tuple[dict[str, Any], ...] = field(default_factory=tuple)
 
 
@@ -121,8 +128,9 @@ def _routes(settings: EdgeSettings) -> list[dict[str, Any]]:
         }
     }
     timeout = f"{settings.request_timeout_s:g}s"
-    return [
+    routes: list[dict[str, Any]] = [
         {
+            "name": "grpc",
             "match": {
                 "prefix": "/",
                 "headers": [
@@ -139,35 +147,45 @@ def _routes(settings: EdgeSettings) -> list[dict[str, Any]]:
         },
         # Token streams may run long: no overall timeout for generate and chat.
         {
+            "name": "api_streams",
             "match": {"safe_regex": {"regex": "/api/v1/(generate|chat)"}},
             "route": {"cluster": "orchestrator", "timeout": "0s"},
         },
-        {"match": {"prefix": "/api/v1/"}, "route": {"cluster": "orchestrator", "timeout": timeout}},
+        {
+            "name": "api",
+            "match": {"prefix": "/api/v1/"},
+            "route": {"cluster": "orchestrator", "timeout": timeout},
+        },
         # Triton's generate extension streams tokens too: no overall timeout.
         {
+            "name": "generate",
             "match": {"safe_regex": {"regex": _GENERATE_PATHS}},
             "route": {"cluster": "http_adapter", "timeout": "0s"},
             "typed_per_filter_config": no_transcoder,
         },
         {
+            "name": "v2",
             "match": {"prefix": "/v2"},
             "route": {"cluster": "http_adapter", "timeout": timeout},
             "typed_per_filter_config": no_transcoder,
         },
         # vLLM's health path, for the probes of its users.
         {
+            "name": "health",
             "match": {"path": "/health"},
             "route": {"cluster": "http_adapter", "timeout": timeout},
             "typed_per_filter_config": no_transcoder,
         },
         # vLLM's tokenizer paths, for the clients of its server.
         {
+            "name": "tokenize",
             "match": {"safe_regex": {"regex": "/(de)?tokenize"}},
             "route": {"cluster": "http_adapter", "timeout": timeout},
             "typed_per_filter_config": no_transcoder,
         },
         # OpenAI streams (SSE) may run long: no overall timeout.
         {
+            "name": "openai",
             "match": {"prefix": "/v1/"},
             "route": {"cluster": "http_adapter", "timeout": "0s"},
             "typed_per_filter_config": no_transcoder,
@@ -177,6 +195,13 @@ def _routes(settings: EdgeSettings) -> list[dict[str, Any]]:
             "direct_response": {"status": 404, "body": {"inline_string": "no route for this path"}},
         },
     ]
+    if settings.rate_limit is not None and settings.rate_limit.client_rps:
+        for route in routes:
+            if "route" in route:
+                route["route"]["rate_limits"] = route_rate_limits(
+                    route["name"], auth=settings.auth is not None
+                )
+    return routes
 
 
 def _http_filters(settings: EdgeSettings) -> list[dict[str, Any]]:
@@ -188,48 +213,8 @@ def _http_filters(settings: EdgeSettings) -> list[dict[str, Any]]:
             "typed_config": {"@type": f"{_TYPES}.filters.http.grpc_web.v3.GrpcWeb"},
         }
     ]
-    if settings.rate_limit is not None:
-        limit = settings.rate_limit
-        filters.append(
-            {
-                "name": "envoy.filters.http.local_ratelimit",
-                "typed_config": {
-                    "@type": f"{_TYPES}.filters.http.local_ratelimit.v3.LocalRateLimit",
-                    "stat_prefix": "edge_rate_limit",
-                    "token_bucket": {
-                        "max_tokens": limit.max_tokens,
-                        "tokens_per_fill": limit.tokens_per_fill,
-                        "fill_interval": f"{limit.fill_interval_s:g}s",
-                    },
-                    "filter_enabled": {
-                        "default_value": {"numerator": 100, "denominator": "HUNDRED"}
-                    },
-                    "filter_enforced": {
-                        "default_value": {"numerator": 100, "denominator": "HUNDRED"}
-                    },
-                    "rate_limited_as_resource_exhausted": True,
-                },
-            }
-        )
-    if settings.auth is not None:
-        auth = settings.auth
-        filters.append(
-            {
-                "name": "envoy.filters.http.jwt_authn",
-                "typed_config": {
-                    "@type": f"{_TYPES}.filters.http.jwt_authn.v3.JwtAuthentication",
-                    "providers": {
-                        "mesh": {
-                            "issuer": auth.issuer,
-                            "audiences": list(auth.audiences),
-                            "local_jwks": {"filename": str(auth.jwks_file)},
-                            "forward": False,
-                        }
-                    },
-                    "rules": [{"match": {"prefix": "/"}, "requires": {"provider_name": "mesh"}}],
-                },
-            }
-        )
+    # 401, then 403, then 429: see access.py.
+    filters += access_filters(settings.auth, settings.rate_limit)
     filters += [
         {
             "name": "envoy.filters.http.buffer",
@@ -274,6 +259,12 @@ def _connection_manager(settings: EdgeSettings) -> dict[str, Any]:
             "virtual_hosts": [{"name": "mesh", "domains": ["*"], "routes": _routes(settings)}],
         },
         "http_filters": _http_filters(settings),
+        # The path roles are matched on is the path the adapter routes on:
+        # /v2//repository/./models/x/unload cannot slip past the admin rule.
+        "normalize_path": True,
+        "merge_slashes": True,
+        "path_with_escaped_slashes_action": "REJECT_REQUEST",
+        **_timeouts(settings.limits),
         # Every local reply an HTTP client sees is JSON; gRPC callers get statuses.
         "local_reply_config": {
             "body_format": {
@@ -303,13 +294,35 @@ def _connection_manager(settings: EdgeSettings) -> dict[str, Any]:
     return manager
 
 
+def _timeouts(limits: Limits) -> dict[str, Any]:
+    """Slow or idle clients are let go; no overall request timeout here (streams
+    may run for minutes: the routes bound unary calls)."""
+    return {
+        "request_headers_timeout": f"{limits.request_headers_timeout_s:g}s",
+        "stream_idle_timeout": f"{limits.stream_idle_timeout_s:g}s",
+        "common_http_protocol_options": {
+            "idle_timeout": f"{limits.connection_idle_timeout_s:g}s",
+            "headers_with_underscores_action": "REJECT_REQUEST",
+        },
+        "http2_protocol_options": {"max_concurrent_streams": limits.max_streams_per_connection},
+    }
+
+
 def _listener(settings: EdgeSettings) -> dict[str, Any]:
     chain: dict[str, Any] = {
         "filters": [
             {
+                "name": "envoy.filters.network.connection_limit",
+                "typed_config": {
+                    "@type": f"{_TYPES}.filters.network.connection_limit.v3.ConnectionLimit",
+                    "stat_prefix": "edge_connections",
+                    "max_connections": settings.limits.max_connections,
+                },
+            },
+            {
                 "name": "envoy.filters.network.http_connection_manager",
                 "typed_config": _connection_manager(settings),
-            }
+            },
         ]
     }
     if settings.tls_cert and settings.tls_key:
@@ -332,6 +345,7 @@ def _listener(settings: EdgeSettings) -> dict[str, Any]:
         "name": "edge",
         "address": _address(f"{settings.listen_host}:{settings.listen_port}"),
         "filter_chains": [chain],
+        "per_connection_buffer_limit_bytes": settings.limits.connection_buffer_bytes,
     }
 
 
@@ -352,18 +366,43 @@ def build_config(settings: EdgeSettings) -> dict[str, Any]:
     if settings.otlp_endpoint:
         clusters.append(_cluster("otlp", settings.otlp_endpoint, http2=True, health=None))
     return {
-        "admin": {"address": _address(f"127.0.0.1:{settings.admin_port}")},
-        "overload_manager": {
-            "resource_monitors": [
-                {
-                    "name": "envoy.resource_monitors.global_downstream_max_connections",
-                    "typed_config": {
-                        "@type": f"{_TYPES}.resource_monitors.downstream_connections.v3."
-                        "DownstreamConnectionsConfig",
-                        "max_active_downstream_connections": settings.max_connections,
-                    },
-                }
-            ]
-        },
+        # Admin (drain, stats, quit) only for this user, never over TCP.
+        "admin": {"address": {"pipe": {"path": str(settings.admin_socket), "mode": 0o600}}},
+        "overload_manager": _overload(settings),
         "static_resources": {"listeners": [_listener(settings)], "clusters": clusters},
+    }
+
+
+def _overload(settings: EdgeSettings) -> dict[str, Any]:
+    monitors = "envoy.resource_monitors"
+    return {
+        "refresh_interval": "0.1s",
+        "resource_monitors": [
+            {
+                "name": f"{monitors}.global_downstream_max_connections",
+                "typed_config": {
+                    "@type": f"{_TYPES}.resource_monitors.downstream_connections.v3."
+                    "DownstreamConnectionsConfig",
+                    "max_active_downstream_connections": settings.limits.max_connections,
+                },
+            },
+            # main.py writes 1 here when the drain is over: new requests get 503
+            # (UNAVAILABLE, which clients retry), not a reset (CANCELLED).
+            {
+                "name": f"{monitors}.injected_resource",
+                "typed_config": {
+                    "@type": f"{_TYPES}.resource_monitors.injected_resource.v3."
+                    "InjectedResourceConfig",
+                    "filename": str(settings.shutdown_flag),
+                },
+            },
+        ],
+        "actions": [
+            {
+                "name": "envoy.overload_actions.stop_accepting_requests",
+                "triggers": [
+                    {"name": f"{monitors}.injected_resource", "threshold": {"value": 0.5}}
+                ],
+            }
+        ],
     }

@@ -1,12 +1,15 @@
 """Development credentials for the edge: a TLS certificate and JWT signing keys.
 
     python -m gateway.envoy.credentials --out DIR [--subject client-name] [--days 30]
+        [--roles user[,admin]]
 
 writes ``DIR/tls.crt`` + ``DIR/tls.key`` (self-signed for localhost and
 127.0.0.1), ``DIR/jwks.json`` (the public key Envoy verifies tokens with),
 ``DIR/signing.pem`` (the private key) and ``DIR/token`` (a bearer token for
-the subject). Point the edge at them with ``--jwks-file``, ``--tls-cert`` and
-``--tls-key``; send ``Authorization: Bearer $(cat DIR/token)``.
+the subject, with ``--roles``, default ``user``; ``admin`` may also load and
+unload models and change log and trace settings). Point the edge at them
+with ``--jwks-file``, ``--tls-cert`` and ``--tls-key``; send
+``Authorization: Bearer $(cat DIR/token)``.
 """
 
 from __future__ import annotations
@@ -103,10 +106,18 @@ def issue_token(
     days: int,
     issuer: str = "meshserve-dev",
     audience: str = "meshserve",
+    roles: Sequence[str] = ("user",),
 ) -> str:
-    """A signed RS256 bearer token for ``subject``."""
+    """A signed RS256 bearer token for ``subject`` with ``roles`` in its ``roles`` claim."""
     now = int(time.time())
-    claims = {"iss": issuer, "aud": audience, "sub": subject, "iat": now, "exp": now + days * 86400}
+    claims = {
+        "iss": issuer,
+        "aud": audience,
+        "sub": subject,
+        "roles": list(roles),
+        "iat": now,
+        "exp": now + days * 86400,
+    }
     return jwt.encode(claims, signing_pem.read_bytes(), algorithm="RS256", headers={"kid": KEY_ID})
 
 
@@ -118,11 +129,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--subject", default="dev-client")
     parser.add_argument("--days", type=int, default=30)
+    parser.add_argument(
+        "--roles",
+        default="user",
+        help="comma-separated roles of the token: user (inference), admin (management too)",
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     cert, key = write_tls(args.out, args.days)
     jwks, pem = write_jwt_keys(args.out)
-    (args.out / "token").write_text(issue_token(pem, args.subject, args.days))
+    (args.out / "token").write_text(
+        issue_token(pem, args.subject, args.days, roles=args.roles.split(","))
+    )
     for path in (cert, key, jwks, pem, args.out / "token"):
         print(f"wrote {path}")
 

