@@ -2,12 +2,13 @@
 
 ``python -m gateway.envoy.main --orchestrator 127.0.0.1:8001 --http-adapter
 127.0.0.1:8007 [--grpc-port 8080] [--jwks-file F] [--rate-limit-rps N]
-[--tls-cert C --tls-key K]``
+[--client-rate-limit-rps N] [--tls-cert C --tls-key K]`` (``--help``: all)
 
 The config is generated, checked with ``envoy --mode validate``, and Envoy
-runs as a child process. Once its admin endpoint reports ready, the bound
-edge port is printed on the ``MESHSERVE_READY`` line. SIGTERM drains the
-listener gracefully, then stops Envoy.
+runs as a child process. Once its admin interface (a Unix socket, never TCP)
+reports ready, the bound edge port is printed on the ``MESHSERVE_READY``
+line. SIGTERM drains the listener for up to ``grace_period_s``, then new
+requests get 503 / UNAVAILABLE and Envoy stops.
 """
 
 from __future__ import annotations
@@ -218,8 +219,11 @@ async def _drain(admin: Path, settings: EdgeSettings, grace_s: float) -> None:
         if await loop.run_in_executor(None, _active_requests, admin) == 0:
             break
         await asyncio.sleep(0.1)
-    settings.shutdown_flag.write_text("1")
-    # The overload manager reads the flag every 0.1 s.
+    # Envoy watches for the file being moved into place, not written to.
+    staged = settings.shutdown_flag.with_suffix(".new")
+    staged.write_text("1")
+    staged.replace(settings.shutdown_flag)
+    # The overload manager acts on it within its 0.1-s refresh.
     await asyncio.sleep(0.3)
 
 

@@ -111,7 +111,13 @@ def test_management_needs_the_admin_role(mesh: dict[str, Any]) -> None:
     assert infer(edge, user) == 200
     assert infer(edge, nobody) == 403
     unload = "/v2/repository/models/add_sub/unload"
-    for path in (unload, "/v2//repository/models/add_sub/./unload", unload.upper()):
+    tricks = (
+        "/v2//repository/models/add_sub/./unload",
+        "/v2/%72epository/models/add_sub/unload",
+        "/v2/x/../repository/models/add_sub/unload",
+        unload.upper(),
+    )
+    for path in (unload, *tricks):
         assert post(edge, path, user) == 403, path
     assert post(edge, "/v2/logging", user, {"log_verbose_level": 1}) == 403
     assert post(edge, "/v2/trace/setting", user, {}) == 403
