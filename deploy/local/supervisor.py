@@ -35,6 +35,9 @@ from typing import Any
 import yaml
 
 from deploy.local.placement import CorePlacer, Placement
+from deploy.local.port_plan import Listener, PortPlanError, check_ports
+from deploy.local.process_tree import end_process_tree
+from deploy.local.procfs import start_ticks
 from shared.engine_cores import ENGINE_CORES_ENV, engine_cores, format_cores
 
 READY_MARKER = "MESHSERVE_READY"
@@ -45,6 +48,10 @@ PLACEMENT_LOOK_S = 1.0
 """How often the engines' CPU time is read (a busy/idle change re-places at once)."""
 PLACEMENT_FULL_PASS_LOOKS = 5
 """Every this many looks, a full pass finds new processes and threads."""
+REPLICA_PORT_STEP = 100
+"""Replica i of a stage listens on its ports + i * this (mesh.yaml's ``replica_port_step``)."""
+EXIT_POLL_S = 0.1
+"""How often a running process is checked for having exited."""
 
 
 @dataclass(frozen=True)
@@ -90,18 +97,29 @@ class ManagedProcess:
     restarts: int = 0
     stopping: bool = False
     address: str = ""
+    grace_s: float = 15.0
+    """On stop, how long the process may drain before it and all it started are killed."""
+    hurry: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set (a second Ctrl-C): whatever is still stopping is killed at once."""
     _pumps: list[asyncio.Task[None]] = field(default_factory=list)
+    _lifecycle: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Held while the process starts or ends, so a stop sees every process started."""
+    _leader: tuple[int, int | None] | None = None
+    """The running (or exited, not yet cleaned up) process: PID and start ticks."""
 
     async def run(self) -> None:
         """Start, and restart after unexpected exits, until stopped."""
         delay = self.backoff[0]
         while not self.stopping:
             started = time.monotonic()
-            await self._start()
-            code = await self.proc.wait() if self.proc is not None else 1
+            if not await self._start():
+                return
+            code = await self._exit_code()
             self.ready.clear()
             if self.stopping:
                 return
+            # What the process left behind (an LLM engine holding its memory) goes first.
+            await self._end_tree()
             if time.monotonic() - started > HEALTHY_AFTER_S:
                 delay = self.backoff[0]
             self.restarts += 1
@@ -112,19 +130,38 @@ class ManagedProcess:
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.backoff[1])
 
-    async def _start(self) -> None:
+    async def _start(self) -> bool:
+        """Start the process unless stopping (then False)."""
         env = {**os.environ, **self.environment, "PYTHONUNBUFFERED": "1"}
-        self.proc = await asyncio.create_subprocess_exec(
-            *self.spec.command(self.config),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-            start_new_session=True,
-        )
+        async with self._lifecycle:
+            if self.stopping:
+                return False
+            # A session of its own: its process group holds whatever it spawns.
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.spec.command(self.config),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+            )
+            self._leader = (self.proc.pid, start_ticks(self.proc.pid))
+        for pump in self._pumps:
+            pump.cancel()
         self._pumps = [
             asyncio.create_task(self._pump(self.proc.stderr, ready=False)),
             asyncio.create_task(self._pump(self.proc.stdout, ready=True)),
         ]
+        return True
+
+    async def _exit_code(self) -> int:
+        # Not proc.wait(): it also waits for the pipes to close, and a grandchild
+        # left behind holds them open. The returncode is set the moment it exits.
+        proc = self.proc
+        if proc is None:
+            return 1
+        while proc.returncode is None:  # noqa: ASYNC110
+            await asyncio.sleep(EXIT_POLL_S)
+        return proc.returncode
 
     async def _pump(self, stream: asyncio.StreamReader | None, ready: bool) -> None:
         if stream is None:
@@ -137,17 +174,23 @@ class ManagedProcess:
                 continue
             print(f"[{self.spec.name}] {line}", file=sys.stderr, flush=True)
 
-    async def stop(self, grace_s: float) -> None:
-        """SIGTERM this process (by PID); SIGKILL after the grace period."""
+    async def _end_tree(self) -> None:
+        """End the process and all it started (once; a later call waits for the first)."""
+        async with self._lifecycle:
+            leader, self._leader = self._leader, None
+            if leader is None:
+                return
+            killed = await end_process_tree(*leader, self.grace_s, self.hurry)
+        if killed:
+            log(
+                f"{self.spec.name} did not stop within {self.grace_s:.1f}s: killed PIDs "
+                f"{', '.join(map(str, killed))}"
+            )
+
+    async def stop(self) -> None:
+        """SIGTERM this process (by PID); SIGKILL it and all it started after the grace."""
         self.stopping = True
-        proc = self.proc
-        if proc is not None and proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), grace_s)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+        await self._end_tree()
         for pump in self._pumps:
             pump.cancel()
         await asyncio.gather(*self._pumps, return_exceptions=True)
@@ -171,6 +214,9 @@ def plan(
 ) -> tuple[list[ProcessSpec], ProcessSpec, list[ProcessSpec]]:
     """The stage processes, the orchestrator, and the edge (adapter, Envoy), with ports."""
     services = mesh.get("services") or {}
+    step = int((mesh.get("supervisor") or {}).get("replica_port_step", REPLICA_PORT_STEP))
+    if step < 1:
+        raise PortPlanError(f"supervisor.replica_port_step must be at least 1, not {step}")
     taken: set[int] = set()
 
     def fresh_port() -> int:
@@ -186,7 +232,7 @@ def plan(
         settings = services.get(service) or {}
         metrics = int(settings.get("metrics_port", -1))
         port = int(settings.get("grpc_port", settings.get("http_port", 0)))
-        return port + index, (metrics + index if metrics > 0 else metrics)
+        return _replica_port(port, index, step), _replica_port(metrics, index, step)
 
     grpc_port, metrics_port = ports("orchestrator", 0)
     host = (mesh.get("defaults") or {}).get("host", "127.0.0.1")
@@ -225,6 +271,21 @@ def plan(
     return stages, orchestrator, edge
 
 
+def _replica_port(port: int, index: int, step: int) -> int:
+    # 0 (any free port) and -1 (off) stay what they are for every replica.
+    return port + index * step if port > 0 else port
+
+
+def listeners(specs: Sequence[ProcessSpec]) -> list[Listener]:
+    """Every port the processes of ``specs`` will listen on, for the port plan's check."""
+    found = []
+    for spec in specs:
+        role = "HTTP" if spec.port_flag == "--http-port" else "gRPC"
+        found += [Listener(spec.name, role, spec.grpc_port)]
+        found += [Listener(spec.name, "metrics", spec.metrics_port)]
+    return found
+
+
 def _edge(ports: Any, orchestrator: str, host: str) -> list[ProcessSpec]:
     """The HTTP adapter and Envoy, both pointed at the orchestrator."""
     adapter_port, _ = ports("http_adapter", 0)
@@ -249,28 +310,56 @@ def _edge(ports: Any, orchestrator: str, host: str) -> list[ProcessSpec]:
     return [adapter, envoy]
 
 
+@dataclass
+class Shutdown:
+    """What SIGTERM or Ctrl-C ask of the supervisor: stop; asked again, kill at once."""
+
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    hurry: asyncio.Event = field(default_factory=asyncio.Event)
+    phase: str = "starting"
+    """What the mesh is doing, for the log line that says a stop was asked for."""
+
+    def request(self, sig: signal.Signals) -> None:
+        """The signal handler."""
+        if self.stop.is_set():
+            log(f"{sig.name} again: killing every process still stopping")
+            self.hurry.set()
+            return
+        log(f"{sig.name} while {self.phase}: stopping the mesh")
+        self.stop.set()
+
+
 async def supervise(args: argparse.Namespace) -> int:
     """Start the mesh, print where it listens, run until SIGTERM/SIGINT."""
     mesh = yaml.safe_load(args.config.read_text()) or {}
     settings = mesh.get("supervisor") or {}
     backoff = tuple(settings.get("restart_backoff_s", [0.5, 10.0]))
     replicas = dict(item.split("=", 1) for item in args.replicas)
-    stage_specs, orchestrator_spec, edge_specs = plan(
-        mesh,
-        args.model_repository.expanduser().resolve(),
-        args.ports == "auto",
-        {k: int(v) for k, v in replicas.items()},
-    )
-    stop = asyncio.Event()
+    repository = args.model_repository.expanduser().resolve()
+    try:
+        stage_specs, orchestrator_spec, edge_specs = plan(
+            mesh, repository, args.ports == "auto", {k: int(v) for k, v in replicas.items()}
+        )
+        host = (mesh.get("defaults") or {}).get("host", "127.0.0.1")
+        check_ports(listeners([*stage_specs, orchestrator_spec, *edge_specs]), host)
+    except PortPlanError as exc:
+        log(f"not starting the mesh: {exc}")
+        return 2
+    shutdown = Shutdown()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, shutdown.request, sig)
     cores = engine_cores()
 
     def managed_group(specs: Sequence[ProcessSpec]) -> list[ManagedProcess]:
         environment = {ENGINE_CORES_ENV: format_cores(cores)}
         delays = (float(backoff[0]), float(backoff[1]))
-        return [ManagedProcess(spec, args.config, delays, environment) for spec in specs]
+        return [
+            ManagedProcess(
+                spec, args.config, delays, environment, grace_s=args.grace_s, hurry=shutdown.hurry
+            )
+            for spec in specs
+        ]
 
     managed = managed_group(stage_specs)
     [orchestrator] = managed_group([orchestrator_spec])
@@ -279,25 +368,34 @@ async def supervise(args: argparse.Namespace) -> int:
     try:
         # Inside out: stages, then the orchestrator, then the edge; each group
         # starts once the one it talks to is ready.
-        for group in (managed, [orchestrator], edge):
+        for name, group in (("stages", managed), ("orchestrator", [orchestrator]), ("edge", edge)):
+            shutdown.phase = f"starting (waiting for the {name} to be ready)"
             tasks += [asyncio.create_task(m.run()) for m in group]
-            if not await _wait_ready(group, stop, args.ready_timeout_s):
-                return 1
-        _announce(orchestrator, [*managed, *edge], args.model_repository.expanduser().resolve())
+            if not await _wait_ready(group, shutdown.stop, args.ready_timeout_s):
+                return 0 if shutdown.stop.is_set() else 1
+        _announce(orchestrator, [*managed, *edge], repository)
         if settings.get("cpu_placement", "auto") == "auto":
             processes = [*managed, orchestrator, *edge]
             tasks.append(asyncio.create_task(_keep_placed(processes, cores)))
-        await stop.wait()
-        log("stopping the mesh")
+        shutdown.phase = "running"
+        await shutdown.stop.wait()
         return 0
     finally:
-        # Outside in: the edge first, then the orchestrator, then the stages.
-        await asyncio.gather(*(m.stop(args.grace_s) for m in edge))
-        await orchestrator.stop(args.grace_s)
-        await asyncio.gather(*(m.stop(args.grace_s) for m in managed))
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _stop_all([edge, [orchestrator], managed], tasks)
+
+
+async def _stop_all(
+    groups: Sequence[Sequence[ManagedProcess]], tasks: Sequence[asyncio.Task[None]]
+) -> None:
+    """Stop ``groups`` in turn (each process and all it started), then the tasks."""
+    began = time.monotonic()
+    # Outside in: the edge first, then the orchestrator, then the stages.
+    for group in groups:
+        await asyncio.gather(*(m.stop() for m in group))
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    log(f"mesh stopped in {time.monotonic() - began:.1f}s: every process it started has exited")
 
 
 async def _keep_placed(
