@@ -6,8 +6,15 @@
 Stage services start first; once each has printed its ready line, the
 orchestrator starts with their addresses. A process that exits unexpectedly
 is restarted on the same ports with exponential backoff (reset once it has run
-a while). SIGTERM or Ctrl-C stops everything: the orchestrator first, so no
-new work reaches the stages, then the stages, each by its own PID.
+a while), once whatever it left behind has ended.
+
+The port plan (every gRPC, HTTP and metrics port; replica i of a stage on its
+ports + i * ``replica_port_step``) is checked before anything starts
+(deploy/local/port_plan.py). SIGTERM or Ctrl-C, at any phase (starting,
+running, restarting), stops everything: the edge and the orchestrator first,
+so no new work reaches the stages, then the stages; each service with all it
+started (vLLM's engine processes too), by PID, SIGKILL after ``--grace-s``
+(deploy/local/process_tree.py). A second signal kills at once.
 
 While a CPU engine that bound its worker to some cores is busy, the rest of
 the mesh is kept off those cores (``cpu_placement: auto``; see
@@ -22,10 +29,8 @@ import asyncio
 import contextlib
 import itertools
 import json
-import os
 import signal
 import socket
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,169 +41,17 @@ import yaml
 
 from deploy.local.placement import CorePlacer, Placement
 from deploy.local.port_plan import Listener, PortPlanError, check_ports
-from deploy.local.process_tree import end_process_tree
-from deploy.local.procfs import start_ticks
+from deploy.local.service_process import ManagedProcess, ProcessSpec, log
 from shared.engine_cores import ENGINE_CORES_ENV, engine_cores, format_cores
 
-READY_MARKER = "MESHSERVE_READY"
 MESH_READY_MARKER = "MESHSERVE_MESH_READY"
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "mesh.yaml"
-HEALTHY_AFTER_S = 30.0
 PLACEMENT_LOOK_S = 1.0
 """How often the engines' CPU time is read (a busy/idle change re-places at once)."""
 PLACEMENT_FULL_PASS_LOOKS = 5
 """Every this many looks, a full pass finds new processes and threads."""
 REPLICA_PORT_STEP = 100
 """Replica i of a stage listens on its ports + i * this (mesh.yaml's ``replica_port_step``)."""
-EXIT_POLL_S = 0.1
-"""How often a running process is checked for having exited."""
-
-
-@dataclass(frozen=True)
-class ProcessSpec:
-    """One service process: what to run and where it listens."""
-
-    name: str
-    stage: str
-    module: str
-    grpc_port: int
-    metrics_port: int
-    args: tuple[str, ...] = ()
-    port_flag: str = "--grpc-port"
-    """The flag that sets the process's listening port."""
-
-    def command(self, config: Path) -> list[str]:
-        """The command line (the mesh YAML first, explicit ports after)."""
-        return [
-            sys.executable,
-            "-m",
-            self.module,
-            "--config",
-            str(config),
-            self.port_flag,
-            str(self.grpc_port),
-            "--metrics-port",
-            str(self.metrics_port),
-            *self.args,
-        ]
-
-
-@dataclass
-class ManagedProcess:
-    """A running (and restarted) service process."""
-
-    spec: ProcessSpec
-    config: Path
-    backoff: tuple[float, float]
-    environment: dict[str, str] = field(default_factory=dict)
-    """Set in the process's environment, over the supervisor's own."""
-    proc: asyncio.subprocess.Process | None = None
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-    restarts: int = 0
-    stopping: bool = False
-    address: str = ""
-    grace_s: float = 15.0
-    """On stop, how long the process may drain before it and all it started are killed."""
-    hurry: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set (a second Ctrl-C): whatever is still stopping is killed at once."""
-    _pumps: list[asyncio.Task[None]] = field(default_factory=list)
-    _lifecycle: asyncio.Lock = field(default_factory=asyncio.Lock)
-    """Held while the process starts or ends, so a stop sees every process started."""
-    _leader: tuple[int, int | None] | None = None
-    """The running (or exited, not yet cleaned up) process: PID and start ticks."""
-
-    async def run(self) -> None:
-        """Start, and restart after unexpected exits, until stopped."""
-        delay = self.backoff[0]
-        while not self.stopping:
-            started = time.monotonic()
-            if not await self._start():
-                return
-            code = await self._exit_code()
-            self.ready.clear()
-            if self.stopping:
-                return
-            # What the process left behind (an LLM engine holding its memory) goes first.
-            await self._end_tree()
-            if time.monotonic() - started > HEALTHY_AFTER_S:
-                delay = self.backoff[0]
-            self.restarts += 1
-            log(
-                f"{self.spec.name} exited with {code}; restarting in {delay:.1f}s "
-                f"(restart {self.restarts})"
-            )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self.backoff[1])
-
-    async def _start(self) -> bool:
-        """Start the process unless stopping (then False)."""
-        env = {**os.environ, **self.environment, "PYTHONUNBUFFERED": "1"}
-        async with self._lifecycle:
-            if self.stopping:
-                return False
-            # A session of its own: its process group holds whatever it spawns.
-            self.proc = await asyncio.create_subprocess_exec(
-                *self.spec.command(self.config),
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                env=env,
-                start_new_session=True,
-            )
-            self._leader = (self.proc.pid, start_ticks(self.proc.pid))
-        for pump in self._pumps:
-            pump.cancel()
-        self._pumps = [
-            asyncio.create_task(self._pump(self.proc.stderr, ready=False)),
-            asyncio.create_task(self._pump(self.proc.stdout, ready=True)),
-        ]
-        return True
-
-    async def _exit_code(self) -> int:
-        # Not proc.wait(): it also waits for the pipes to close, and a grandchild
-        # left behind holds them open. The returncode is set the moment it exits.
-        proc = self.proc
-        if proc is None:
-            return 1
-        while proc.returncode is None:  # noqa: ASYNC110
-            await asyncio.sleep(EXIT_POLL_S)
-        return proc.returncode
-
-    async def _pump(self, stream: asyncio.StreamReader | None, ready: bool) -> None:
-        if stream is None:
-            return
-        async for raw in stream:
-            line = raw.decode(errors="replace").rstrip()
-            if ready and line.startswith(READY_MARKER):
-                self.address = json.loads(line[len(READY_MARKER) :])["grpc"]
-                self.ready.set()
-                continue
-            print(f"[{self.spec.name}] {line}", file=sys.stderr, flush=True)
-
-    async def _end_tree(self) -> None:
-        """End the process and all it started (once; a later call waits for the first)."""
-        async with self._lifecycle:
-            leader, self._leader = self._leader, None
-            if leader is None:
-                return
-            killed = await end_process_tree(*leader, self.grace_s, self.hurry)
-        if killed:
-            log(
-                f"{self.spec.name} did not stop within {self.grace_s:.1f}s: killed PIDs "
-                f"{', '.join(map(str, killed))}"
-            )
-
-    async def stop(self) -> None:
-        """SIGTERM this process (by PID); SIGKILL it and all it started after the grace."""
-        self.stopping = True
-        await self._end_tree()
-        for pump in self._pumps:
-            pump.cancel()
-        await asyncio.gather(*self._pumps, return_exceptions=True)
-
-
-def log(message: str) -> None:
-    """Supervisor messages go to stderr, prefixed."""
-    print(f"[supervisor] {message}", file=sys.stderr, flush=True)
 
 
 def free_port() -> int:

@@ -1,0 +1,171 @@
+"""One service process of the local mesh: what to run, and its start, restarts and stop.
+
+Each runs in a session of its own, so its process group holds everything it
+spawns; stopping it ends that whole tree (deploy/local/process_tree.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deploy.local.process_tree import end_process_tree
+from deploy.local.procfs import start_ticks
+
+READY_MARKER = "MESHSERVE_READY"
+HEALTHY_AFTER_S = 30.0
+"""A process that ran this long before it exited restarts after the first delay again."""
+EXIT_POLL_S = 0.1
+"""How often a running process is checked for having exited."""
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One service process: what to run and where it listens."""
+
+    name: str
+    stage: str
+    module: str
+    grpc_port: int
+    metrics_port: int
+    args: tuple[str, ...] = ()
+    port_flag: str = "--grpc-port"
+    """The flag that sets the process's listening port."""
+
+    def command(self, config: Path) -> list[str]:
+        """The command line (the mesh YAML first, explicit ports after)."""
+        return [
+            sys.executable,
+            "-m",
+            self.module,
+            "--config",
+            str(config),
+            self.port_flag,
+            str(self.grpc_port),
+            "--metrics-port",
+            str(self.metrics_port),
+            *self.args,
+        ]
+
+
+@dataclass
+class ManagedProcess:
+    """A running (and restarted) service process."""
+
+    spec: ProcessSpec
+    config: Path
+    backoff: tuple[float, float]
+    environment: dict[str, str] = field(default_factory=dict)
+    """Set in the process's environment, over the supervisor's own."""
+    proc: asyncio.subprocess.Process | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    restarts: int = 0
+    stopping: bool = False
+    address: str = ""
+    grace_s: float = 15.0
+    """On stop, how long the process may drain before it and all it started are killed."""
+    hurry: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set (a second Ctrl-C): whatever is still stopping is killed at once."""
+    _pumps: list[asyncio.Task[None]] = field(default_factory=list)
+    _lifecycle: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Held while the process starts or ends, so a stop sees every process started."""
+    _leader: tuple[int, int | None] | None = None
+    """The running (or exited, not yet cleaned up) process: PID and start ticks."""
+
+    async def run(self) -> None:
+        """Start, and restart after unexpected exits, until stopped."""
+        delay = self.backoff[0]
+        while not self.stopping:
+            started = time.monotonic()
+            if not await self._start():
+                return
+            code = await self._exit_code()
+            self.ready.clear()
+            if self.stopping:
+                return
+            # What the process left behind (an LLM engine holding its memory) goes first.
+            await self._end_tree()
+            if time.monotonic() - started > HEALTHY_AFTER_S:
+                delay = self.backoff[0]
+            self.restarts += 1
+            log(
+                f"{self.spec.name} exited with {code}; restarting in {delay:.1f}s "
+                f"(restart {self.restarts})"
+            )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.backoff[1])
+
+    async def _start(self) -> bool:
+        """Start the process unless stopping (then False)."""
+        env = {**os.environ, **self.environment, "PYTHONUNBUFFERED": "1"}
+        async with self._lifecycle:
+            if self.stopping:
+                return False
+            # A session of its own: its process group holds whatever it spawns.
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.spec.command(self.config),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+            )
+            self._leader = (self.proc.pid, start_ticks(self.proc.pid))
+        for pump in self._pumps:
+            pump.cancel()
+        self._pumps = [
+            asyncio.create_task(self._pump(self.proc.stderr, ready=False)),
+            asyncio.create_task(self._pump(self.proc.stdout, ready=True)),
+        ]
+        return True
+
+    async def _exit_code(self) -> int:
+        # Not proc.wait(): it also waits for the pipes to close, and a grandchild
+        # left behind holds them open. The returncode is set the moment it exits.
+        proc = self.proc
+        if proc is None:
+            return 1
+        while proc.returncode is None:  # noqa: ASYNC110
+            await asyncio.sleep(EXIT_POLL_S)
+        return proc.returncode
+
+    async def _pump(self, stream: asyncio.StreamReader | None, ready: bool) -> None:
+        if stream is None:
+            return
+        async for raw in stream:
+            line = raw.decode(errors="replace").rstrip()
+            if ready and line.startswith(READY_MARKER):
+                self.address = json.loads(line[len(READY_MARKER) :])["grpc"]
+                self.ready.set()
+                continue
+            print(f"[{self.spec.name}] {line}", file=sys.stderr, flush=True)
+
+    async def _end_tree(self) -> None:
+        """End the process and all it started (once; a later call waits for the first)."""
+        async with self._lifecycle:
+            leader, self._leader = self._leader, None
+            if leader is None:
+                return
+            killed = await end_process_tree(*leader, self.grace_s, self.hurry)
+        if killed:
+            log(
+                f"{self.spec.name} did not stop within {self.grace_s:.1f}s: killed PIDs "
+                f"{', '.join(map(str, killed))}"
+            )
+
+    async def stop(self) -> None:
+        """SIGTERM this process (by PID); SIGKILL it and all it started after the grace."""
+        self.stopping = True
+        await self._end_tree()
+        for pump in self._pumps:
+            pump.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+
+
+def log(message: str) -> None:
+    """Supervisor messages go to stderr, prefixed."""
+    print(f"[supervisor] {message}", file=sys.stderr, flush=True)
