@@ -40,7 +40,7 @@ class Limits:
     """A connection with no request for this long is closed."""
     max_connections: int = 10_000
     """Open downstream connections on the listener (and the whole process)."""
-    max_streams_per_connection: int = 100
+    max_streams_per_connection: int = 1000
     """Concurrent HTTP/2 streams one connection may open."""
     connection_buffer_bytes: int = 1024 * 1024
     """Read and write buffer per connection before Envoy applies back-pressure."""

@@ -78,7 +78,7 @@ class EdgeConfig(ServiceConfig):
     """A connection with no request in flight for this long is closed."""
     max_connections: int = Field(10_000, ge=1, le=1_000_000)
     """Open client connections on the edge (new ones are refused above it)."""
-    max_streams_per_connection: int = Field(100, ge=1, le=2**31 - 1)
+    max_streams_per_connection: int = Field(1000, ge=1, le=2**31 - 1)
     """Concurrent HTTP/2 streams (gRPC calls) one connection may have open."""
     connection_buffer_bytes: int = Field(1024 * 1024, ge=16 * 1024, le=2**31 - 1)
     """Buffered bytes per connection before Envoy stops reading from it."""
