@@ -45,9 +45,9 @@ from shared.tracing import (
 
 log = logging.getLogger(__name__)
 
-Behavior = Callable[[Any, grpc.aio.ServicerContext], Any]
+Behavior = Callable[..., Any]
 """A handler: a coroutine function, or an async generator function for streams."""
-Scope = Callable[[Any, grpc.aio.ServicerContext], AbstractAsyncContextManager[Any]]
+Scope = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], AbstractAsyncContextManager[Any]]
 """Runs around one call; yields the request (or request stream) to pass on."""
 
 # RPCs that keep working while the server drains, so probes see NOT_SERVING
@@ -65,9 +65,11 @@ class _HandlerWrapper(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(details)
         if handler is None:
             return None
@@ -81,8 +83,8 @@ class _HandlerWrapper(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 
 def _rewrapped(
-    handler: grpc.RpcMethodHandler, wrap: Callable[[Behavior, bool], Behavior]
-) -> grpc.RpcMethodHandler:
+    handler: grpc.RpcMethodHandler[Any, Any], wrap: Callable[[Behavior, bool], Behavior]
+) -> grpc.RpcMethodHandler[Any, Any]:
     """``handler`` with its behaviour passed through ``wrap``, of the same call kind."""
     codecs = {
         "request_deserializer": handler.request_deserializer,
@@ -94,14 +96,18 @@ def _rewrapped(
         return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream, False), **codecs)
     if handler.stream_unary is not None:
         return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary, False), **codecs)
-    return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream, True), **codecs)
+    if handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream, True), **codecs)
+    return handler  # no behaviour at all: nothing to wrap
 
 
 def around(behavior: Behavior, scope: Scope) -> Behavior:
     """``behavior`` run inside ``scope``, still a generator if it was one."""
     if inspect.isasyncgenfunction(behavior):
 
-        async def streamed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def streamed(
+            request: Any, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> AsyncIterator[Any]:
             async with (
                 scope(request, context) as passed,
                 contextlib.aclosing(behavior(passed, context)) as items,
@@ -111,7 +117,7 @@ def around(behavior: Behavior, scope: Scope) -> Behavior:
 
         return streamed
 
-    async def called(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def called(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         async with scope(request, context) as passed:
             return await behavior(passed, context)
 
@@ -146,7 +152,7 @@ class ErrorInterceptor(_HandlerWrapper):
 
 @contextlib.asynccontextmanager
 async def _statuses(
-    method: str, request: Any, context: grpc.aio.ServicerContext
+    method: str, request: Any, context: grpc.aio.ServicerContext[Any, Any]
 ) -> AsyncIterator[Any]:
     try:
         yield request
@@ -193,7 +199,11 @@ class TracingInterceptor(_HandlerWrapper):
 
     @contextlib.asynccontextmanager
     async def _span(
-        self, method: str, parent: otel_context.Context, request: Any, _: grpc.aio.ServicerContext
+        self,
+        method: str,
+        parent: otel_context.Context,
+        request: Any,
+        _: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[Any]:
         span = self._start(method, parent)
         token = otel_context.attach(trace.set_span_in_context(span))
@@ -206,7 +216,9 @@ class TracingInterceptor(_HandlerWrapper):
     def _streamed(self, behavior: Behavior, method: str, parent: otel_context.Context) -> Behavior:
         # The span is current only while each response is produced: a token
         # attached across a yield might not be detachable (``iterate_in_context``).
-        async def streamed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def streamed(
+            request: Any, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> AsyncIterator[Any]:
             span = self._start(method, parent)
             with _recorded(span):
                 async with contextlib.aclosing(behavior(request, context)) as items:
@@ -221,7 +233,7 @@ class TracingInterceptor(_HandlerWrapper):
         method: str,
         parent: otel_context.Context,
         requests: AsyncIterator[Any],
-        _: grpc.aio.ServicerContext,
+        _: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[Any]:
         spans: list[trace.Span] = []
 
@@ -313,7 +325,9 @@ class DrainGate(_HandlerWrapper):
             self._idle.set()
 
     @contextlib.asynccontextmanager
-    async def _admitted(self, request: Any, _: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def _admitted(
+        self, request: Any, _: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Any]:
         self._admit()
         try:
             yield request
@@ -322,7 +336,7 @@ class DrainGate(_HandlerWrapper):
 
     @contextlib.asynccontextmanager
     async def _first_request(
-        self, requests: AsyncIterator[Any], _: grpc.aio.ServicerContext
+        self, requests: AsyncIterator[Any], _: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Any]:
         admitted: list[bool] = []
 

@@ -267,7 +267,8 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self,
         request: pb.ModelInferRequest,
-        context: grpc.aio.ServicerContext[pb.ModelInferRequest, pb.ModelInferResponse],
+        # Any reply type: stream_responses answers a stream's request with it.
+        context: grpc.aio.ServicerContext[pb.ModelInferRequest, Any],
     ) -> pb.ModelInferResponse:
         """Each v2 server infers its own way; ``stream_responses`` answers with it."""
         raise Unimplemented("ModelInfer is not served here")
@@ -388,7 +389,8 @@ class InferenceServicer(BaseServicer):
     async def ModelInfer(
         self,
         request: pb.ModelInferRequest,
-        context: grpc.aio.ServicerContext[pb.ModelInferRequest, pb.ModelInferResponse],
+        # Any reply type: stream_responses answers a stream's request with it.
+        context: grpc.aio.ServicerContext[pb.ModelInferRequest, Any],
     ) -> pb.ModelInferResponse:
         model = self.manager.get(request.model_name, request.model_version)
         domain = to_domain(request)
