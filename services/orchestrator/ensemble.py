@@ -13,7 +13,7 @@ No gRPC here: steps are executed through a ``StepCall`` the servicer provides.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -89,7 +89,7 @@ class Step:
 
 StepCall = Callable[[Step, dict[str, WireTensor], list[str]], Awaitable[dict[str, WireTensor]]]
 StepStream = Callable[
-    [Step, dict[str, WireTensor], list[str]], AsyncIterator[dict[str, WireTensor]]
+    [Step, dict[str, WireTensor], list[str]], AsyncGenerator[dict[str, WireTensor], None]
 ]
 
 # An ensemble output with this name, once non-empty, ends a streamed response
@@ -214,7 +214,7 @@ class EnsemblePlan:
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
             raise
         finally:
-            await responses.aclose()  # type: ignore[attr-defined]
+            await responses.aclose()
             span.end()
 
     async def _execute(

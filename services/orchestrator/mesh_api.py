@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import grpc
 import numpy as np
 from google.protobuf import struct_pb2
 
@@ -20,7 +21,7 @@ from inference import grpc_service_pb2 as pb
 from meshserve.v1 import meshserve_pb2 as api
 from meshserve.v1 import meshserve_pb2_grpc as api_grpc
 from services.orchestrator.core import Orchestrator
-from services.orchestrator.servicer import timeout_of
+from services.orchestrator.servicer import Context, timeout_of
 from services.orchestrator.tokenization import (
     MESSAGES,
     PROMPT,
@@ -101,7 +102,7 @@ def array_to_tensor(name: str, datatype: str, array: np.ndarray) -> api.Tensor:
     return tensor
 
 
-class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
+class MeshApiServicer(api_grpc.MeshServiceServicer):
     """MeshService over the orchestrator's core."""
 
     def __init__(self, core: Orchestrator) -> None:
@@ -113,16 +114,20 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
         inputs: dict[str, np.ndarray],
         version: str = "",
         outputs: list[str] | None = None,
-        context: Any = None,
+        timeout_s: float | None = None,
     ) -> tuple[pb.ModelInferResponse, dict[str, np.ndarray]]:
         request = pb.ModelInferRequest(model_name=model, model_version=version)
         encode_inputs(request, inputs)
         for name in outputs or []:
             request.outputs.add(name=name)
-        response = await self.core.infer(request, timeout_of(context))
+        response = await self.core.infer(request, timeout_s)
         return response, decode_outputs(response)
 
-    async def ListModels(self, request: api.ListModelsRequest, context: Any) -> Any:
+    async def ListModels(
+        self,
+        request: api.ListModelsRequest,
+        context: Context[api.ListModelsRequest, api.ListModelsResponse],
+    ) -> api.ListModelsResponse:
         versions: dict[str, list[str]] = defaultdict(list)
         states: dict[str, str] = {}
         for row in await self.core.index(request.ready_only):
@@ -138,26 +143,30 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
                 state=_STATES.get(states[name], api.MODEL_STATE_UNSPECIFIED),
             )
             if states[name] == "READY":
-                await self._describe(model, context)
+                await self._describe(model, timeout_of(context))
         return response
 
-    async def _describe(self, model: api.Model, context: Any) -> None:
+    async def _describe(self, model: api.Model, timeout_s: float | None) -> None:
         try:
-            config = await self.core.config(model.name, timeout_s=timeout_of(context))
+            config = await self.core.config(model.name, timeout_s=timeout_s)
         except MeshError:
             return
         model.backend = config.platform or config.backend
         model.max_batch_size = config.max_batch_size
         model.stage = ",".join(self.core.stages_of(model.name))
 
-    async def GetModel(self, request: api.GetModelRequest, context: Any) -> Any:
+    async def GetModel(
+        self,
+        request: api.GetModelRequest,
+        context: Context[api.GetModelRequest, api.GetModelResponse],
+    ) -> api.GetModelResponse:
         metadata = await self.core.metadata(request.name, timeout_s=timeout_of(context))
         response = api.GetModelResponse(
             model=api.Model(
                 name=metadata.name, versions=list(metadata.versions), state=api.MODEL_STATE_READY
             )
         )
-        await self._describe(response.model, context)
+        await self._describe(response.model, timeout_of(context))
         for target, tensors in (
             (response.inputs, metadata.inputs),
             (response.outputs, metadata.outputs),
@@ -168,12 +177,14 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
                 )
         return response
 
-    async def Infer(self, request: api.InferRequest, context: Any) -> Any:
+    async def Infer(
+        self, request: api.InferRequest, context: Context[api.InferRequest, api.InferResponse]
+    ) -> api.InferResponse:
         if not request.inputs:
             raise InvalidArgument("inputs: at least one tensor is required")
         arrays = {tensor.name: tensor_to_array(tensor) for tensor in request.inputs}
         raw, outputs = await self._infer(
-            request.model, arrays, request.version, list(request.outputs), context
+            request.model, arrays, request.version, list(request.outputs), timeout_of(context)
         )
         response = api.InferResponse(model=raw.model_name, version=raw.model_version)
         for tensor in raw.outputs:
@@ -182,13 +193,20 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
             )
         return response
 
-    async def Classify(self, request: api.ClassifyRequest, context: Any) -> Any:
+    async def Classify(
+        self,
+        request: api.ClassifyRequest,
+        context: Context[api.ClassifyRequest, api.ClassifyResponse],
+    ) -> api.ClassifyResponse:
         if not request.image:
             raise InvalidArgument("image: the encoded image is required (base64 in JSON)")
         model = request.model or DEFAULT_CLASSIFIER
         image = np.array([[request.image]], dtype=object)
         _, outputs = await self._infer(
-            model, {"IMAGE": image}, outputs=["LABELS", "PROBABILITIES"], context=context
+            model,
+            {"IMAGE": image},
+            outputs=["LABELS", "PROBABILITIES"],
+            timeout_s=timeout_of(context),
         )
         labels, probabilities = outputs["LABELS"][0], outputs["PROBABILITIES"][0]
         response = api.ClassifyResponse(model=model)
@@ -198,7 +216,9 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
             )
         return response
 
-    async def Embed(self, request: api.EmbedRequest, context: Any) -> Any:
+    async def Embed(
+        self, request: api.EmbedRequest, context: Context[api.EmbedRequest, api.EmbedResponse]
+    ) -> api.EmbedResponse:
         if not request.texts:
             raise InvalidArgument("texts: at least one text is required")
         model = request.model or DEFAULT_EMBEDDER
@@ -208,26 +228,40 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
             chunk = request.texts[start : start + 64]
             texts = np.array([[text.encode()] for text in chunk], dtype=object)
             _, outputs = await self._infer(
-                model, {"TEXT": texts}, outputs=["EMBEDDING"], context=context
+                model, {"TEXT": texts}, outputs=["EMBEDDING"], timeout_s=timeout_of(context)
             )
             for vector in outputs["EMBEDDING"]:
                 response.embeddings.add(values=[float(v) for v in vector])
         response.dimensions = len(response.embeddings[0].values)
         return response
 
-    async def Generate(self, request: api.GenerateRequest, context: Any) -> AsyncIterator[Any]:
+    async def Generate(
+        self,
+        request: api.GenerateRequest,
+        context: Context[api.GenerateRequest, api.GenerateResponse],
+    ) -> AsyncIterator[api.GenerateResponse]:
         if not request.prompt:
             raise InvalidArgument("prompt: a non-empty prompt is required")
         inputs = {PROMPT: np.array([request.prompt.encode()], dtype=object)}
-        async for delta in self._generate(request.model, inputs, request.sampling, context):
+        async for delta in self._generate(
+            request.model, inputs, request.sampling, timeout_of(context)
+        ):
             yield api.GenerateResponse(delta=delta)
 
-    async def Chat(self, request: api.ChatRequest, context: Any) -> AsyncIterator[Any]:
+    async def Chat(
+        self, request: api.ChatRequest, context: Context[api.ChatRequest, api.ChatResponse]
+    ) -> AsyncIterator[api.ChatResponse]:
         inputs = {MESSAGES: _chat(request.messages)}
-        async for delta in self._generate(request.model, inputs, request.sampling, context):
+        async for delta in self._generate(
+            request.model, inputs, request.sampling, timeout_of(context)
+        ):
             yield api.ChatResponse(delta=delta)
 
-    async def Tokenize(self, request: api.TokenizeRequest, context: Any) -> Any:
+    async def Tokenize(
+        self,
+        request: api.TokenizeRequest,
+        context: Context[api.TokenizeRequest, api.TokenizeResponse],
+    ) -> api.TokenizeResponse:
         if bool(request.prompt) == bool(request.messages):
             raise InvalidArgument("exactly one of prompt and messages is required")
         model = request.model or DEFAULT_LLM
@@ -239,7 +273,7 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
             text = {steps.tokenizer_input(PROMPT): prompt}
         tokenizer = steps.tokenizer
         _, outputs = await self._infer(
-            tokenizer.model, text, tokenizer.version, [steps.ids], context
+            tokenizer.model, text, tokenizer.version, [steps.ids], timeout_of(context)
         )
         engine = await self.core.config(
             steps.engine.model, steps.engine.version, timeout_of(context)
@@ -253,12 +287,16 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
             max_model_len=int(text_limit) if text_limit.isdigit() else 0,
         )
 
-    async def Detokenize(self, request: api.DetokenizeRequest, context: Any) -> Any:
+    async def Detokenize(
+        self,
+        request: api.DetokenizeRequest,
+        context: Context[api.DetokenizeRequest, api.DetokenizeResponse],
+    ) -> api.DetokenizeResponse:
         model = request.model or DEFAULT_LLM
         decoder = self._text_steps(model).detokenizer
         inputs = decoder_inputs(decoder, list(request.tokens))
         _, outputs = await self._infer(
-            decoder.model, inputs, decoder.version, [TEXT_DELTA], context
+            decoder.model, inputs, decoder.version, [TEXT_DELTA], timeout_of(context)
         )
         return api.DetokenizeResponse(model=model, text=_text(outputs.get(TEXT_DELTA)))
 
@@ -271,12 +309,16 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
         return text_steps(plan)
 
     async def _generate(
-        self, model: str, inputs: dict[str, np.ndarray], sampling: api.SamplingParams, context: Any
+        self,
+        model: str,
+        inputs: dict[str, np.ndarray],
+        sampling: api.SamplingParams,
+        timeout_s: float | None,
     ) -> AsyncIterator[api.TextDelta]:
         inputs["SAMPLING"] = np.array([sampling_json(sampling).encode()], dtype=object)
         request = pb.ModelInferRequest(model_name=model or DEFAULT_LLM)
         encode_inputs(request, inputs)
-        async for response in self.core.stream(request, timeout_of(context)):
+        async for response in self.core.stream(request, timeout_s):
             outputs = decode_outputs(response)
             yield api.TextDelta(
                 text=_text(outputs.get("TEXT_DELTA")),
@@ -285,7 +327,9 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):  # type: ignore[misc]
                 completion_tokens=_count(outputs.get("COMPLETION_TOKENS")),
             )
 
-    async def Health(self, request: api.HealthRequest, context: Any) -> Any:
+    async def Health(
+        self, request: api.HealthRequest, context: Context[api.HealthRequest, api.HealthResponse]
+    ) -> api.HealthResponse:
         response = api.HealthResponse()
         for stage, ready in sorted(self.core.stages().items()):
             response.stages.add(
@@ -334,9 +378,9 @@ def _count(array: np.ndarray | None) -> int:
     return 0 if array is None or array.size == 0 else int(array.reshape(-1)[0])
 
 
-def add_mesh_api(servicer: MeshApiServicer, server: Any) -> None:
+def add_mesh_api(servicer: MeshApiServicer, server: grpc.aio.Server) -> None:
     """Register MeshService on a server."""
-    api_grpc.add_MeshServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    api_grpc.add_MeshServiceServicer_to_server(servicer, server)
 
 
 MESH_SERVICE_NAME = api.DESCRIPTOR.services_by_name["MeshService"].full_name

@@ -21,7 +21,7 @@ import itertools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import grpc
 from opentelemetry import trace
@@ -34,6 +34,10 @@ from shared.channels import open_channels
 from shared.errors import InvalidArgument, MeshError, NotFound, Unavailable
 from shared.rpc import remote
 
+if TYPE_CHECKING:
+    # Exists in the generated stubs' types only: the stub of a grpc.aio channel.
+    from inference.grpc_service_pb2_grpc import GRPCInferenceServiceAsyncStub as Stub
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -41,7 +45,7 @@ T = TypeVar("T")
 REFILL_DELAY_S = 0.05
 """How long after a stream's release its replica's spares are topped up."""
 
-StageCall = Callable[[pb_grpc.GRPCInferenceServiceStub], Awaitable[T]]
+StageCall = Callable[["Stub"], Awaitable[T]]
 """One typed RPC on a replica's stub (``lambda stub: stub.ModelInfer(request)``)."""
 
 
@@ -68,7 +72,7 @@ class Endpoint:
     """A stage replica: a small pool of channels, and what it hosts."""
 
     address: StageAddress
-    stubs: list[pb_grpc.GRPCInferenceServiceStub]
+    stubs: list[Stub]
     channels: list[grpc.aio.Channel]
     models: set[str] = field(default_factory=set)
     """Models READY on this replica (calls go only to these)."""
@@ -87,7 +91,7 @@ class Endpoint:
     _next: itertools.cycle[int] = field(default_factory=lambda: itertools.cycle([0]))
     _refill: asyncio.TimerHandle | None = None
 
-    def stub(self) -> pb_grpc.GRPCInferenceServiceStub:
+    def stub(self) -> Stub:
         """The next channel's stub (round robin over the pool)."""
         return self.stubs[next(self._next)]
 
@@ -141,7 +145,8 @@ def open_endpoint(
 ) -> Endpoint:
     """Open ``channels`` HTTP/2 connections to one replica."""
     opened = open_channels(address.target, channels, max_message_bytes, tracer)
-    stubs = [pb_grpc.GRPCInferenceServiceStub(c) for c in opened]  # type: ignore[no-untyped-call]
+    # The stub's type follows its channel's, which grpc leaves untyped: say it.
+    stubs = [cast("Stub", pb_grpc.GRPCInferenceServiceStub(c)) for c in opened]
     endpoint = Endpoint(address, stubs, opened)
     endpoint._next = itertools.cycle(range(channels))
     return endpoint
@@ -311,7 +316,7 @@ class StageRouter:
         """A model's config, from a replica of the stage hosting it."""
         request = pb.ModelConfigRequest(name=model)
 
-        async def fetch(stub: pb_grpc.GRPCInferenceServiceStub) -> pb.ModelConfigResponse:
+        async def fetch(stub: Stub) -> pb.ModelConfigResponse:
             with remote(f"model '{model}': "):
                 response: pb.ModelConfigResponse = await stub.ModelConfig(request, timeout=10)
             return response

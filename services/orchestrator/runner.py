@@ -14,7 +14,7 @@ cancellation as asyncio cancellation.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -201,7 +201,9 @@ class EnsembleRunner:
         ``later`` steps' streams, so that where no spare stream waits the stages set
         new ones up during the prefill, not when the first token waits for them."""
 
-        async def stream(step: Step, inputs: Outputs, outputs: list[str]) -> AsyncIterator[Outputs]:
+        async def stream(
+            step: Step, inputs: Outputs, outputs: list[str]
+        ) -> AsyncGenerator[Outputs, None]:
             sub = step_request(step, inputs, outputs, request.id)
             async for response in relay(self.router, sub, lambda: streams.open_soon(later)):
                 yield wire_outputs(response)

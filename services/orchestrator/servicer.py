@@ -8,14 +8,28 @@ become statuses in the server interceptor. Nothing else happens here.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Protocol, TypeAlias, TypeVar
+
+import grpc
 
 from inference import grpc_service_pb2 as pb
 from services.orchestrator.core import Orchestrator
 from shared.servicer import BaseServicer
 
+Request = TypeVar("Request")
+Reply = TypeVar("Reply")
+Context: TypeAlias = grpc.aio.ServicerContext[Request, Reply]
 
-def timeout_of(context: Any) -> float | None:
+
+class Deadlined(Protocol):
+    """What a front door knows of its caller's deadline (a gRPC servicer context)."""
+
+    def time_remaining(self) -> float | None:
+        """Seconds left (None: no deadline)."""
+        ...
+
+
+def timeout_of(context: Deadlined | None) -> float | None:
     """The caller's time left (None: no deadline)."""
     remaining = context.time_remaining() if context is not None else None
     return None if remaining is None else max(0.001, remaining)
@@ -28,45 +42,79 @@ class OrchestratorServicer(BaseServicer):
         super().__init__()
         self.core = core
 
-    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> Any:
+    async def ServerReady(
+        self,
+        request: pb.ServerReadyRequest,
+        context: Context[pb.ServerReadyRequest, pb.ServerReadyResponse],
+    ) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self.core.ready())
 
-    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> Any:
+    async def ModelReady(
+        self,
+        request: pb.ModelReadyRequest,
+        context: Context[pb.ModelReadyRequest, pb.ModelReadyResponse],
+    ) -> pb.ModelReadyResponse:
         ready = await self.core.model_ready(request.name, request.version, timeout_of(context))
         return pb.ModelReadyResponse(ready=ready)
 
-    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> Any:
+    async def ModelMetadata(
+        self,
+        request: pb.ModelMetadataRequest,
+        context: Context[pb.ModelMetadataRequest, pb.ModelMetadataResponse],
+    ) -> pb.ModelMetadataResponse:
         return await self.core.metadata(request.name, request.version, timeout_of(context))
 
-    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> Any:
+    async def ModelConfig(
+        self,
+        request: pb.ModelConfigRequest,
+        context: Context[pb.ModelConfigRequest, pb.ModelConfigResponse],
+    ) -> pb.ModelConfigResponse:
         config = await self.core.config(request.name, request.version, timeout_of(context))
         return pb.ModelConfigResponse(config=config)
 
-    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> Any:
+    async def ModelInfer(
+        self,
+        request: pb.ModelInferRequest,
+        context: Context[pb.ModelInferRequest, pb.ModelInferResponse],
+    ) -> pb.ModelInferResponse:
         return await self.core.infer(request, timeout_of(context))
 
     async def stream_responses(
-        self, request: pb.ModelInferRequest, context: Any
+        self,
+        request: pb.ModelInferRequest,
+        context: Context[pb.ModelInferRequest, pb.ModelStreamInferResponse],
     ) -> AsyncIterator[pb.ModelInferResponse]:
         """Every response to one request of a ModelStreamInfer stream."""
         async for response in self.core.stream(request, timeout_of(context)):
             yield response
 
-    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> Any:
+    async def ModelStatistics(
+        self,
+        request: pb.ModelStatisticsRequest,
+        context: Context[pb.ModelStatisticsRequest, pb.ModelStatisticsResponse],
+    ) -> pb.ModelStatisticsResponse:
         stats = await self.core.statistics(request.name, request.version, timeout_of(context))
         return pb.ModelStatisticsResponse(model_stats=stats)
 
-    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> Any:
+    async def RepositoryIndex(
+        self,
+        request: pb.RepositoryIndexRequest,
+        context: Context[pb.RepositoryIndexRequest, pb.RepositoryIndexResponse],
+    ) -> pb.RepositoryIndexResponse:
         return pb.RepositoryIndexResponse(models=await self.core.index(request.ready))
 
     async def RepositoryModelLoad(
-        self, request: pb.RepositoryModelLoadRequest, context: Any
-    ) -> Any:
+        self,
+        request: pb.RepositoryModelLoadRequest,
+        context: Context[pb.RepositoryModelLoadRequest, pb.RepositoryModelLoadResponse],
+    ) -> pb.RepositoryModelLoadResponse:
         await self.core.load(request.model_name, request.parameters)
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(
-        self, request: pb.RepositoryModelUnloadRequest, context: Any
-    ) -> Any:
+        self,
+        request: pb.RepositoryModelUnloadRequest,
+        context: Context[pb.RepositoryModelUnloadRequest, pb.RepositoryModelUnloadResponse],
+    ) -> pb.RepositoryModelUnloadResponse:
         await self.core.unload(request.model_name, request.parameters)
         return pb.RepositoryModelUnloadResponse()

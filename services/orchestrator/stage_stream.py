@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry import context as otel_context
@@ -28,11 +28,14 @@ from shared.errors import Unavailable
 from shared.rpc import remote
 from shared.tracing import inject_parameters
 
+if TYPE_CHECKING:
+    from inference.grpc_service_pb2_grpc import GRPCInferenceServiceAsyncStub as Stub
+
 
 class StageStream:
     """One ModelStreamInfer call whose requests are written from a queue."""
 
-    def __init__(self, stub: Any) -> None:
+    def __init__(self, stub: Stub) -> None:
         self._outgoing: asyncio.Queue[pb.ModelInferRequest | None] = asyncio.Queue()
         self.on_release: Callable[[], None] | None = None
         """Set by whoever takes the stream for a request: runs once, when it ends."""
