@@ -26,9 +26,9 @@ import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry import context as otel_context
@@ -44,6 +44,9 @@ from shared.tracing import (
 )
 
 log = logging.getLogger(__name__)
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
 
 Behavior = Callable[..., Any]
 """A handler: a coroutine function, or an async generator function for streams."""
@@ -356,7 +359,9 @@ class _ClientBase:
     def __init__(self, tracer: trace.Tracer) -> None:
         self._tracer = tracer
 
-    def _details(self, details: grpc.aio.ClientCallDetails, span: trace.Span) -> Any:
+    def _details(
+        self, details: grpc.aio.ClientCallDetails, span: trace.Span
+    ) -> grpc.aio.ClientCallDetails:
         metadata = inject_metadata(list(details.metadata or ()), trace.set_span_in_context(span))
         return grpc.aio.ClientCallDetails(
             details.method,
@@ -383,7 +388,14 @@ class _ClientBase:
 class ClientUnaryInterceptor(_ClientBase, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     """Opens a client span and sends its ``traceparent`` with unary calls."""
 
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+    async def intercept_unary_unary(
+        self,
+        continuation: Callable[
+            [grpc.aio.ClientCallDetails, Req], Awaitable[grpc.aio.UnaryUnaryCall[Req, Resp]]
+        ],
+        details: grpc.aio.ClientCallDetails,
+        request: Req,
+    ) -> grpc.aio.UnaryUnaryCall[Req, Resp]:
         span = self._span(details)
         try:
             call = await continuation(self._details(details, span), request)
@@ -399,7 +411,14 @@ class ClientUnaryInterceptor(_ClientBase, grpc.aio.UnaryUnaryClientInterceptor):
 class ClientUnaryStreamInterceptor(_ClientBase, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
     """Sends ``traceparent`` with server-streaming calls; the span covers the set-up."""
 
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+    async def intercept_unary_stream(
+        self,
+        continuation: Callable[
+            [grpc.aio.ClientCallDetails, Req], Awaitable[grpc.aio.UnaryStreamCall[Req, Resp]]
+        ],
+        details: grpc.aio.ClientCallDetails,
+        request: Req,
+    ) -> grpc.aio.UnaryStreamCall[Req, Resp]:
         span = self._span(details)
         try:
             return await continuation(self._details(details, span), request)
@@ -411,8 +430,14 @@ class ClientStreamStreamInterceptor(_ClientBase, grpc.aio.StreamStreamClientInte
     """Sends ``traceparent`` with bidirectional calls; the span covers the set-up."""
 
     async def intercept_stream_stream(
-        self, continuation: Any, details: Any, request_iterator: Any
-    ) -> Any:
+        self,
+        continuation: Callable[
+            [grpc.aio.ClientCallDetails, AsyncIterable[Req] | Iterable[Req]],
+            Awaitable[grpc.aio.StreamStreamCall[Req, Resp]],
+        ],
+        details: grpc.aio.ClientCallDetails,
+        request_iterator: AsyncIterable[Req] | Iterable[Req],
+    ) -> grpc.aio.StreamStreamCall[Req, Resp]:
         span = self._span(details)
         try:
             return await continuation(self._details(details, span), request_iterator)
@@ -420,7 +445,7 @@ class ClientStreamStreamInterceptor(_ClientBase, grpc.aio.StreamStreamClientInte
             span.end()
 
 
-def client_interceptors(tracer: trace.Tracer) -> list[Any]:
+def client_interceptors(tracer: trace.Tracer) -> list[grpc.aio.ClientInterceptor]:
     """Interceptors for a ``grpc.aio`` channel that propagate the trace.
 
     One class per call kind: a channel files each interceptor under the first
