@@ -19,7 +19,7 @@ from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.tensors import decode_outputs
 from tests.conftest import DATA
-from tests.harness import ServiceProcess
+from tests.in_process import MeshThread
 
 # An ensemble over "simple", so the orchestrator's own decoding is exercised.
 PAIR = """
@@ -48,27 +48,15 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stage(repo: Path) -> Iterator[ServiceProcess]:
-    process = ServiceProcess("services.inference.main", ["--model-repository", str(repo)])
-    yield process
-    process.stop()
+def mesh(repo: Path) -> Iterator[MeshThread]:
+    """A stage and the orchestrator, served in this process (tests/in_process.py)."""
+    served = MeshThread(repo)
+    yield served
+    served.close()
 
 
-@pytest.fixture(scope="module")
-def orchestrator(repo: Path, stage: ServiceProcess) -> Iterator[ServiceProcess]:
-    process = ServiceProcess(
-        "services.orchestrator.main",
-        [
-            "--model-repository",
-            str(repo),
-            "--metrics-port",
-            "-1",
-            "--stages",
-            f"inference={stage.address}",
-        ],
-    )
-    yield process
-    process.stop()
+def _address(mesh: MeshThread, target: str) -> str:
+    return mesh.mesh.stages[0].address if target == "stage" else mesh.address
 
 
 def _call(address: str, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
@@ -106,15 +94,14 @@ TARGETS = [("stage", *CASES[0]), ("orchestrator", *CASES[0]), ("orchestrator", *
 @pytest.mark.parametrize(("target", "model", "names"), TARGETS)
 @pytest.mark.parametrize("raw_entries", [1, 2])
 def test_raw_beside_typed_contents_is_invalid_argument_in_tritons_words(
-    request: pytest.FixtureRequest,
+    mesh: MeshThread,
     model: str,
     names: tuple[str, str],
     raw_entries: int,
     target: str,
 ) -> None:
-    process: ServiceProcess = request.getfixturevalue(target)
     with pytest.raises(grpc.RpcError) as caught:
-        _call(process.address, _mixed(model, names, raw_entries))
+        _call(_address(mesh, target), _mixed(model, names, raw_entries))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details() == (
         "contents field must not be specified when using raw_input_contents for "
@@ -124,8 +111,8 @@ def test_raw_beside_typed_contents_is_invalid_argument_in_tritons_words(
 
 @pytest.mark.parametrize(("model", "names"), CASES)
 def test_typed_contents_alone_still_answer(
-    orchestrator: ServiceProcess, model: str, names: tuple[str, str]
+    mesh: MeshThread, model: str, names: tuple[str, str]
 ) -> None:
-    outputs = decode_outputs(_call(orchestrator.address, _typed_request(model, names)))
+    outputs = decode_outputs(_call(mesh.address, _typed_request(model, names)))
     total = outputs["OUTPUT0" if model == "simple" else "SUM"]
     np.testing.assert_allclose(total, [[2.0, 4.0, 6.0, 8.0]])
