@@ -18,7 +18,8 @@ from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.tensors import decode_outputs, encode_inputs
 from tests.conftest import DATA
-from tests.harness import ServiceProcess, orchestrator_with_stage, run_client
+from tests.harness import run_client
+from tests.in_process import MeshThread
 
 LABELS = ["zero", "one", "two", "three"]
 # add_sub's sum under other names, its labels beside the ensemble's config.
@@ -49,7 +50,8 @@ EXPECTED_SECOND = [
 
 
 @pytest.fixture(scope="module")
-def orchestrator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+def orchestrator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshThread]:
+    """A stage and the orchestrator, served in this process (tests/in_process.py)."""
     repo = tmp_path_factory.mktemp("classes")
     shutil.copytree(DATA / "models" / "add_sub", repo / "add_sub")
     config = repo / "add_sub" / "config.pbtxt"
@@ -63,18 +65,19 @@ def orchestrator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServicePr
     (repo / "sum_classes" / "1").mkdir(parents=True)
     (repo / "sum_classes" / "config.pbtxt").write_text(ENSEMBLE)
     (repo / "sum_classes" / "names.txt").write_text("\n".join(LABELS) + "\n")
-    with orchestrator_with_stage(repo) as process:
-        yield process
+    served = MeshThread(repo)
+    yield served
+    served.close()
 
 
-def test_a_stage_model_answers_top_classes_with_its_labels(orchestrator: ServiceProcess) -> None:
+def test_a_stage_model_answers_top_classes_with_its_labels(orchestrator: MeshThread) -> None:
     answer = run_client(
         "classify.py", "grpc", orchestrator.address, "add_sub", "OUTPUT0", "OUTPUT1"
     )
     assert answer == {"OUTPUT0": EXPECTED_FIRST, "OUTPUT1": EXPECTED_SECOND}
 
 
-def test_an_ensemble_answers_top_classes_with_its_labels(orchestrator: ServiceProcess) -> None:
+def test_an_ensemble_answers_top_classes_with_its_labels(orchestrator: MeshThread) -> None:
     # The ensemble's inputs are A and B: the client's INPUT0/INPUT1 under other names.
     request = pb.ModelInferRequest(model_name="sum_classes")
     encode_inputs(
@@ -99,7 +102,7 @@ def test_an_ensemble_answers_top_classes_with_its_labels(orchestrator: ServicePr
 
 @pytest.mark.parametrize("model", ["add_sub", "sum_classes"])
 def test_a_class_count_that_is_not_a_positive_integer_names_the_output(
-    orchestrator: ServiceProcess, model: str
+    orchestrator: MeshThread, model: str
 ) -> None:
     names = ("INPUT0", "INPUT1", "OUTPUT0") if model == "add_sub" else ("A", "B", "SUM")
     ones = np.ones((1, 4), dtype=np.float32)
