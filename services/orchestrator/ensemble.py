@@ -7,7 +7,8 @@ A step runs as soon as all its inputs exist, so independent branches run
 concurrently. Tensors stay in their wire form (datatype, shape, raw bytes):
 the orchestrator forwards them and never decodes them.
 
-No gRPC here: steps are executed through a ``StepCall`` the servicer provides.
+No gRPC here: steps are executed through a ``StepCall`` the runner provides
+(runner.py).
 """
 
 from __future__ import annotations

@@ -3,14 +3,18 @@
 The orchestrator is given stage endpoints (``name=host:port``; in Kubernetes a
 headless Service name resolves to every replica). It learns which models each
 endpoint hosts from RepositoryIndex and refreshes that periodically, so no
-routing table is kept by hand. Calls go only to READY models; the load errors
+routing table is kept by hand: the index lists every model the stage's
+backends host, loaded or not, which also says where a model that is not
+loaded would load. Calls go only to READY models; the load errors
 of the models a stage could not load are kept too, so a call to one of them
 answers UNAVAILABLE with that error instead of "unknown model". A call goes to
 the ready replica with the fewest calls in flight; when a replica cannot be
 reached the call is retried once on another replica (model inference here is
 idempotent), and the replica is marked unready until the next refresh finds it
-again. Streams to a replica come from its ``StageStream`` spares when one waits
-(services/orchestrator/stage_stream.py).
+again. Every stage call runs inside ``shared.rpc.remote``, so what fails here
+is a ``shared.errors`` class: a replica that cannot be reached is
+``Unavailable``. Streams to a replica come from its ``StageStream`` spares when
+one waits (services/orchestrator/stage_stream.py).
 """
 
 from __future__ import annotations
