@@ -22,6 +22,14 @@ from tests.harness import ROOT, RUNNING, log_tail, new_log
 from tests.integration.test_supervisor import processes_mentioning
 
 GRACE_S = 2.0
+ONE_STAGE = """
+defaults: { host: 127.0.0.1, grace_period_s: 1 }
+services: {}
+supervisor:
+  stages:
+    - { name: inference, module: services.inference.main, replicas: 1 }
+  restart_backoff_s: [0.2, 1.0]
+"""
 
 # A python model that starts a child of its own (as vLLM starts its engine) and
 # then takes minutes to initialize: its stage is mid-start for as long as the test needs.
@@ -34,8 +42,10 @@ class TritonPythonModel:
     def initialize(self, args):
         child = subprocess.Popen(["sleep", "300"])
         pids = {"stage": os.getpid(), "grandchild": child.pid}
-        Path(__file__).resolve().parents[3].joinpath("pids.json").write_text(json.dumps(pids))
-        time.sleep(300)
+        with Path(__file__).resolve().parents[3].joinpath("pids.json").open("a") as out:
+            out.write(json.dumps(pids) + "\\n")
+        time.sleep(EXIT_AFTER_S)
+        os._exit(3)  # the stage dies, leaving its child behind
 
     def execute(self, requests):
         return []
@@ -47,6 +57,21 @@ max_batch_size: 0
 input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
 output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]
 """
+
+
+def hold_repository(root: Path, exit_after_s: float) -> Path:
+    """A repository of the ``hold`` model; its stage exits ``exit_after_s`` into initialize."""
+    model = root / "repo" / "hold"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text(HOLD_CONFIG)
+    (model / "1" / "model.py").write_text(f"EXIT_AFTER_S = {exit_after_s}\n{HOLD_MODEL}")
+    return model.parent
+
+
+def recorded(pids: Path) -> list[dict[str, int]]:
+    """The PIDs each start of the ``hold`` model wrote: its stage and its child."""
+    lines = pids.read_text().splitlines() if pids.exists() else []
+    return [json.loads(line) for line in lines if line.endswith("}")]
 
 
 def running(pid: int) -> bool:
@@ -72,7 +97,7 @@ def supervisor(tmp_path: Path) -> Iterator[list[subprocess.Popen[str]]]:
     pids = tmp_path / "pids.json"
     leftovers = processes_mentioning(str(tmp_path))
     if pids.exists():
-        leftovers += json.loads(pids.read_text()).values()
+        leftovers += [pid for line in recorded(pids) for pid in line.values()]
     for pid in leftovers:
         if running(pid):
             os.kill(pid, signal.SIGKILL)
@@ -173,28 +198,11 @@ supervisor:
 def test_sigterm_during_start_up_stops_the_stage_and_what_it_started(
     tmp_path: Path, supervisor: list[subprocess.Popen[str]]
 ) -> None:
-    model = tmp_path / "repo" / "hold"
-    (model / "1").mkdir(parents=True)
-    (model / "config.pbtxt").write_text(HOLD_CONFIG)
-    (model / "1" / "model.py").write_text(HOLD_MODEL)
+    repository = hold_repository(tmp_path, exit_after_s=300)
     config = tmp_path / "mesh.yaml"
-    config.write_text("""
-defaults: { host: 127.0.0.1, grace_period_s: 1 }
-services: {}
-supervisor:
-  stages:
-    - { name: inference, module: services.inference.main, replicas: 1 }
-""")
-    proc, log = start(
-        supervisor, model.parent, config, "--ports", "auto", "--grace-s", str(GRACE_S)
-    )
-    pids_file = tmp_path / "pids.json"
-    deadline = time.monotonic() + 60
-    while not pids_file.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, log_tail(log)
-        time.sleep(0.1)
-    time.sleep(0.2)  # the file is written in one go, but let the model reach its sleep
-    pids = json.loads(pids_file.read_text())
+    config.write_text(ONE_STAGE)
+    proc, log = start(supervisor, repository, config, "--ports", "auto", "--grace-s", str(GRACE_S))
+    [pids] = wait_for_starts(tmp_path / "pids.json", 1, proc, log)
     assert running(pids["stage"]) and running(pids["grandchild"])
 
     began = time.monotonic()
@@ -208,4 +216,32 @@ supervisor:
     said = log.read_text()
     assert "SIGTERM while starting" in said, said
     assert "mesh stopped in" in said, said
-    assert processes_mentioning(str(model.parent)) == []
+    assert processes_mentioning(str(repository)) == []
+
+
+def test_what_a_crashed_stage_left_behind_is_ended_before_it_restarts(
+    tmp_path: Path, supervisor: list[subprocess.Popen[str]]
+) -> None:
+    repository = hold_repository(tmp_path, exit_after_s=0.5)
+    config = tmp_path / "mesh.yaml"
+    config.write_text(ONE_STAGE)
+    proc, log = start(supervisor, repository, config, "--ports", "auto", "--grace-s", "2")
+
+    first, _restarted = wait_for_starts(tmp_path / "pids.json", 2, proc, log)
+    assert not running(first["stage"])
+    assert not running(first["grandchild"])  # ended before the stage was started again
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(GRACE_S + 30) == 0
+    for started in recorded(tmp_path / "pids.json"):
+        assert not running(started["stage"]) and not running(started["grandchild"])
+
+
+def wait_for_starts(
+    pids: Path, count: int, proc: subprocess.Popen[str], log: Path
+) -> list[dict[str, int]]:
+    """The PIDs of the first ``count`` starts of the ``hold`` model, once they are running."""
+    deadline = time.monotonic() + 60
+    while len(recorded(pids)) < count:
+        assert proc.poll() is None and time.monotonic() < deadline, log_tail(log)
+        time.sleep(0.1)
+    return recorded(pids)[:count]
