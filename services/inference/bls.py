@@ -162,7 +162,7 @@ class ModelCaller:
             assert self.orchestrator is not None
             tracer = trace.get_tracer("meshserve.bls")
             (self._channel,) = open_channels(self.orchestrator, 1, self._limit, tracer)
-        return pb_grpc.GRPCInferenceServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        return pb_grpc.GRPCInferenceServiceStub(self._channel)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
