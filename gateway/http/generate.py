@@ -37,10 +37,11 @@ import contextlib
 import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 from aiohttp import web
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo
 
 from gateway.http import sse
 from gateway.http.documents import json_object
@@ -87,45 +88,76 @@ class GenerateCall:
         return self.prompt + text if self.echo else text
 
 
-def _switch(body: Mapping[str, Any], parameters: Mapping[str, Any], name: str) -> bool | None:
-    value = parameters.get(name, body.get(name))
-    if value is not None and not isinstance(value, bool):
-        raise InvalidArgument(f"{name}: expected a boolean, got {kind(value)}")
+def _text_input(value: Any, info: ValidationInfo) -> str:
+    if not isinstance(value, str):
+        raise InvalidArgument(f"text_input: expected a non-empty string, got {kind(value)}")
+    if not value:
+        raise InvalidArgument("text_input: expected a non-empty string, got an empty one")
     return value
 
 
-def _sampling_parameters(value: Any) -> dict[str, Any]:
-    """The vLLM backend's ``sampling_parameters``: a JSON object, or that object as a string."""
+def _object(value: Any, info: ValidationInfo) -> dict[str, Any]:
     if value is None:
         return {}
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{info.field_name}: expected an object, got {kind(value)}")
+    return value
+
+
+def _sampling_parameters(value: Any, info: ValidationInfo) -> dict[str, Any]:
+    """The vLLM backend's ``sampling_parameters``: a JSON object, or that object as a string."""
     if isinstance(value, str):
         try:
             value = jsontext.parse(value)
         except ValueError as exc:
             raise InvalidArgument(f"sampling_parameters: not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
+    if value is not None and not isinstance(value, dict):
         raise InvalidArgument(f"sampling_parameters: expected a JSON object, got {kind(value)}")
+    return value or {}
+
+
+def _flag(value: Any, name: str) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise InvalidArgument(f"{name}: expected a boolean, got {kind(value)}")
     return value
+
+
+class GenerateRequest(BaseModel):
+    """Triton's generate body (as its vLLM backend reads it); a wrong field raises
+    InvalidArgument naming it (the validators' errors pass pydantic untouched)."""
+
+    model_config = ConfigDict(validate_default=False)
+
+    text_input: Annotated[str, BeforeValidator(_text_input)] = Field(None, validate_default=True)
+    parameters: Annotated[dict[str, Any], BeforeValidator(_object)] = {}
+    sampling_parameters: Annotated[dict[str, Any], BeforeValidator(_sampling_parameters)] = {}
+    stream: Annotated[bool | None, BeforeValidator(lambda v: _flag(v, "stream"))] = None
+    exclude_input_in_output: Annotated[
+        bool | None, BeforeValidator(lambda v: _flag(v, "exclude_input_in_output"))
+    ] = None
+
+    def switch(self, name: str) -> bool | None:
+        """``stream`` or ``exclude_input_in_output``: from ``parameters``, else top-level."""
+        if name in self.parameters:
+            return _flag(self.parameters[name], name)
+        value: bool | None = getattr(self, name)
+        return value
+
+    def settings(self) -> dict[str, Any]:
+        """The sampling settings (``parameters`` over ``sampling_parameters``; null: unset)."""
+        settings = dict(self.sampling_parameters)
+        settings.update((k, v) for k, v in self.parameters.items() if k not in _SWITCHES)
+        return {k: v for k, v in settings.items() if v is not None}
 
 
 def generate_request(name: str, version: str, body: Mapping[str, Any]) -> GenerateCall:
     """A generate request body as the pipeline's ModelInferRequest (checked here, so
     a mistake is a 400 that names the field)."""
-    unknown = sorted(set(body) - set(_FIELDS))
+    unknown = sorted(set(body) - set(GenerateRequest.model_fields))
     if unknown:
         raise InvalidArgument(f"unexpected field '{unknown[0]}' (accepted: {', '.join(_FIELDS)})")
-    prompt = body.get("text_input")
-    if not isinstance(prompt, str):
-        raise InvalidArgument(f"text_input: expected a non-empty string, got {kind(prompt)}")
-    if not prompt:
-        raise InvalidArgument("text_input: expected a non-empty string, got an empty one")
-    parameters = body.get("parameters")
-    parameters = {} if parameters is None else parameters
-    if not isinstance(parameters, dict):
-        raise InvalidArgument(f"parameters: expected an object, got {kind(parameters)}")
-    settings = _sampling_parameters(body.get("sampling_parameters"))
-    settings.update((k, v) for k, v in parameters.items() if k not in _SWITCHES)
-    settings = {k: v for k, v in settings.items() if v is not None}  # null: the default
+    fields = GenerateRequest.model_validate(body)
+    settings = fields.settings()
     unknown = sorted(set(settings) - set(SAMPLING_KEYS))
     if unknown:
         raise InvalidArgument(
@@ -137,6 +169,7 @@ def generate_request(name: str, version: str, body: Mapping[str, Any]) -> Genera
         sampling_params(settings)  # the same checks and bounds as the OpenAI API's
     except InvalidParam as exc:
         raise InvalidArgument(f"parameters.{exc.message}") from exc
+    prompt = fields.text_input
     request = pb.ModelInferRequest(model_name=name, model_version=version)
     encode_inputs(
         request,
@@ -148,8 +181,8 @@ def generate_request(name: str, version: str, body: Mapping[str, Any]) -> Genera
     return GenerateCall(
         request,
         prompt,
-        stream=_switch(body, parameters, "stream") is not False,
-        echo=not _switch(body, parameters, "exclude_input_in_output"),
+        stream=fields.switch("stream") is not False,
+        echo=not fields.switch("exclude_input_in_output"),
     )
 
 
