@@ -18,7 +18,8 @@ forwarded request travels on unchanged.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+import contextlib
+from collections.abc import AsyncGenerator, Mapping
 
 from opentelemetry import trace
 
@@ -94,22 +95,25 @@ class Orchestrator:
 
     async def stream(
         self, request: pb.ModelInferRequest, timeout_s: float | None = None
-    ) -> AsyncIterator[pb.ModelInferResponse]:
-        """Every response to one request, the last flagged final: a streaming
-        ensemble's and a decoupled model's as they come, any other model's one."""
+    ) -> AsyncGenerator[pb.ModelInferResponse, None]:
+        """Every response to one request: a streaming ensemble's and a decoupled
+        model's as they come, any other model's one (flagged final). Closing it
+        early stops the work upstream."""
         deadline = Deadline.after(timeout_s)
         plan = self.plan(request.model_name, request.model_version)
         if plan is not None and plan.streaming is not None:
-            async for response in self.runner.stream(plan, request, deadline):
-                yield response
+            responses = self.runner.stream(plan, request, deadline)
+        elif plan is None and await self._is_decoupled(request.model_name):
+            responses = relay(self.router, request)
+        else:
+            response = await self._infer(request, deadline)
+            response.parameters[FINAL_RESPONSE].bool_param = True
+            yield response
             return
-        if plan is None and await self._is_decoupled(request.model_name):
-            async for response in relay(self.router, request):
+        # Closed here, at once, when this stream is: that cancels the stage calls.
+        async with contextlib.aclosing(responses):
+            async for response in responses:
                 yield response
-            return
-        response = await self._infer(request, deadline)
-        response.parameters[FINAL_RESPONSE].bool_param = True
-        yield response
 
     async def _is_decoupled(self, model: str) -> bool:
         if model not in self._decoupled:

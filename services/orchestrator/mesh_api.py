@@ -8,6 +8,7 @@ v2 client.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
@@ -318,14 +319,15 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):
         inputs["SAMPLING"] = np.array([sampling_json(sampling).encode()], dtype=object)
         request = pb.ModelInferRequest(model_name=model or DEFAULT_LLM)
         encode_inputs(request, inputs)
-        async for response in self.core.stream(request, timeout_s):
-            outputs = decode_outputs(response)
-            yield api.TextDelta(
-                text=_text(outputs.get("TEXT_DELTA")),
-                finish_reason=_text(outputs.get("FINISH_REASON")),
-                prompt_tokens=_count(outputs.get("PROMPT_TOKENS")),
-                completion_tokens=_count(outputs.get("COMPLETION_TOKENS")),
-            )
+        async with contextlib.aclosing(self.core.stream(request, timeout_s)) as responses:
+            async for response in responses:
+                outputs = decode_outputs(response)
+                yield api.TextDelta(
+                    text=_text(outputs.get("TEXT_DELTA")),
+                    finish_reason=_text(outputs.get("FINISH_REASON")),
+                    prompt_tokens=_count(outputs.get("PROMPT_TOKENS")),
+                    completion_tokens=_count(outputs.get("COMPLETION_TOKENS")),
+                )
 
     async def Health(
         self, request: api.HealthRequest, context: Context[api.HealthRequest, api.HealthResponse]

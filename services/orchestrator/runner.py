@@ -14,7 +14,7 @@ cancellation as asyncio cancellation.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -107,7 +107,7 @@ class EnsembleRunner:
 
     async def stream(
         self, plan: EnsemblePlan, request: pb.ModelInferRequest, deadline: Deadline
-    ) -> AsyncIterator[pb.ModelInferResponse]:
+    ) -> AsyncGenerator[pb.ModelInferResponse, None]:
         """Every response of a streaming ensemble, each flagged final or not."""
         classify = self._classifier(plan, request)
         streams = StepStreams(self.router)

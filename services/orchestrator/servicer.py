@@ -7,6 +7,7 @@ become statuses in the server interceptor. Nothing else happens here.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Protocol, TypeAlias, TypeVar
 
@@ -85,8 +86,9 @@ class OrchestratorServicer(BaseServicer):
         context: Context[pb.ModelInferRequest, pb.ModelStreamInferResponse],
     ) -> AsyncIterator[pb.ModelInferResponse]:
         """Every response to one request of a ModelStreamInfer stream."""
-        async for response in self.core.stream(request, timeout_of(context)):
-            yield response
+        async with contextlib.aclosing(self.core.stream(request, timeout_of(context))) as responses:
+            async for response in responses:
+                yield response
 
     async def ModelStatistics(
         self,

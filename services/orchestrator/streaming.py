@@ -9,7 +9,7 @@ cancels the stage call, which aborts the generation inside the engine.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 
 from inference import grpc_service_pb2 as pb
 from services.orchestrator.ensemble import Step, WireTensor
@@ -23,7 +23,7 @@ async def relay(
     router: StageRouter,
     request: pb.ModelInferRequest,
     opened: Callable[[], None] | None = None,
-) -> AsyncIterator[pb.ModelInferResponse]:
+) -> AsyncGenerator[pb.ModelInferResponse, None]:
     """Forward one request to a decoupled model; yield its responses until final.
 
     ``opened`` runs once the request is on its way.
