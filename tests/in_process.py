@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +22,7 @@ import grpc
 
 from inference import grpc_service_pb2_grpc as pb_grpc
 from meshserve.v1 import meshserve_pb2_grpc as api_grpc
-from services.inference import python_utils
 from services.inference.python import PythonBackend
-from services.inference.python_metrics import METRICS
 from services.orchestrator.core import Orchestrator
 from services.orchestrator.main import OrchestratorConfig, build_parts
 from shared.server import MeshServer
@@ -54,22 +52,6 @@ def _stage(repo: Path, index: int, load: list[str], grace_s: float) -> MeshServe
     return MeshServer(config, build_stage_parts(config, {"python": PythonBackend()}))
 
 
-@contextlib.contextmanager
-def _python_backend_put_back() -> Iterator[None]:
-    """The python backend binds its module API (BLS calls, custom metrics) to the
-    one stage of its process; stages started here would leave it bound to a
-    stopped one for the tests that follow in this process, so put back what was."""
-    caller = python_utils._caller
-    registry = METRICS._registry
-    try:
-        yield
-    finally:
-        python_utils.bind(caller)
-        if METRICS._registry is not registry and METRICS._registry is not None:
-            METRICS._registry.unregister(METRICS)  # type: ignore[arg-type]
-            METRICS._registry = registry
-
-
 @contextlib.asynccontextmanager
 async def running(
     repo: Path,
@@ -83,9 +65,8 @@ async def running(
     The default refresh is longer than any test: the router knows what it saw
     at start, so a replica stopped by a test stays "ready" until a call fails.
     """
-    with _python_backend_put_back():
-        async with _running(repo, replicas, load or [], refresh_interval_s, grace_s) as mesh:
-            yield mesh
+    async with _running(repo, replicas, load or [], refresh_interval_s, grace_s) as mesh:
+        yield mesh
 
 
 @contextlib.asynccontextmanager

@@ -319,7 +319,13 @@ class PythonBackend:
         )
         python_utils.bind(caller)
         METRICS.attach(stage.registry)
-        return [caller.start], [caller.stop]
+
+        async def release() -> None:
+            await caller.stop()
+            python_utils.unbind(caller)
+            METRICS.detach(stage.registry)
+
+        return [caller.start], [release]
 
     def create_instance(self, model: ModelSpec, instance: InstanceSpec) -> PythonInstance:
         """Import and initialise one default-mode instance (in its own thread)."""

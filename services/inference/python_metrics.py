@@ -48,13 +48,19 @@ class CustomMetrics:
     def __init__(self) -> None:
         self._families: dict[str, _Family] = {}
         self._lock = threading.Lock()
-        self._registry: CollectorRegistry | None = None
+        self._registries: list[CollectorRegistry] = []
 
     def attach(self, registry: CollectorRegistry) -> None:
-        """Serve the families on ``registry`` (once)."""
-        if self._registry is None:
+        """Serve the families on ``registry`` (a stage's /metrics)."""
+        if registry not in self._registries:
             registry.register(self)  # type: ignore[arg-type]
-            self._registry = registry
+            self._registries.append(registry)
+
+    def detach(self, registry: CollectorRegistry) -> None:
+        """Stop serving on ``registry`` (its stage stopped)."""
+        if registry in self._registries:
+            registry.unregister(self)  # type: ignore[arg-type]
+            self._registries.remove(registry)
 
     def family(self, name: str, description: str, kind: str, bounds: Sequence[float]) -> _Family:
         """The family ``name``, declared now or earlier with the same kind."""
@@ -68,7 +74,7 @@ class CustomMetrics:
                         f"metric family '{name}' exists as a {existing.kind}, not a {kind}"
                     )
                 return existing
-            if self._registry is not None and name in self._registry._names_to_collectors:
+            if any(name in registry._names_to_collectors for registry in self._registries):
                 raise ValueError(f"metric family '{name}' is a name the server already serves")
             created = _Family(name, description, kind, tuple(sorted(bounds)))
             self._families[name] = created

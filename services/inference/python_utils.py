@@ -78,6 +78,12 @@ def bind(caller: ModelCaller | None) -> None:
     _caller = caller
 
 
+def unbind(caller: ModelCaller) -> None:
+    """Forget ``caller`` if it is the bound one (its stage stopped)."""
+    if _caller is caller:
+        bind(None)
+
+
 def _bound() -> ModelCaller:
     if _caller is None:
         raise TritonModelException("BLS requests are not available: no server is bound")
