@@ -1,0 +1,168 @@
+"""Fault runs against a running mesh: a signal to one process while requests are in flight.
+
+The path of one fault run, one line per piece::
+
+    ProcessTable     the mesh's processes (PID and start time) from the supervisor's ready
+                     line; ``restarted()`` names those that are no longer the same process
+    load_with_fault  N threads call back to back; at ``fault_at_s`` one signal (SIGKILL,
+                     SIGTERM, SIGSTOP) goes to one process; every answer is timed
+    FaultResult      failures by status code and the recovery time (the end of the last
+                     failed call after the fault)
+
+Imported by ``tests/integration/test_reliability.py`` and ``loadtests/reliability.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from deploy.local.procfs import child_pids, start_ticks
+
+Call = Callable[[], None]
+"""One request; raises grpc.RpcError on failure."""
+
+
+@dataclass(frozen=True)
+class ProcessTable:
+    """The mesh's processes as started: label -> (PID, start time in ticks)."""
+
+    started: dict[str, tuple[int, int | None]]
+
+    @classmethod
+    def from_ready(cls, ready: Mapping[str, Any]) -> ProcessTable:
+        """From the supervisor's MESHSERVE_MESH_READY info (Envoy's real binary included)."""
+        pids = {name: int(item["pid"]) for name, item in ready["processes"].items()}
+        for child in child_pids(pids.get("envoy", -1)) if "envoy" in pids else []:
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{child}/comm").read_text().strip() == "envoy":
+                    pids["envoy-binary"] = child
+        return cls({name: (pid, start_ticks(pid)) for name, pid in pids.items()})
+
+    def pid(self, label: str) -> int:
+        """The PID ``label`` started with."""
+        return self.started[label][0]
+
+    def restarted(self) -> list[str]:
+        """Labels whose process is gone or was replaced (a restart gets a new PID)."""
+        return sorted(
+            name
+            for name, (pid, ticks) in self.started.items()
+            if ticks is None or start_ticks(pid) != ticks
+        )
+
+
+def stage_pids(supervisor_pid: int, module: str) -> list[int]:
+    """The supervisor's children running ``module`` now (restarted ones included)."""
+    pids = []
+    for child in child_pids(supervisor_pid):
+        with contextlib.suppress(OSError):
+            if module in Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace"):
+                pids.append(child)
+    return sorted(pids)
+
+
+@dataclass
+class FaultResult:
+    """Every answer of a fault run: codes, and when the failures ended."""
+
+    name: str
+    requests: int = 0
+    codes: Counter[str] = field(default_factory=Counter)
+    last_failure_s: float = 0.0
+    """Seconds from the fault to the end of the last failed call (0: none failed)."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def failures(self) -> dict[str, int]:
+        """Failed calls by status code name."""
+        return {code: n for code, n in self.codes.items() if code != "OK"}
+
+    def add(self, code: str, since_fault_s: float | None) -> None:
+        """Count one answer; ``since_fault_s`` is when it ended (None: before the fault)."""
+        with self.lock:
+            self.requests += 1
+            self.codes[code] += 1
+            if code != "OK" and since_fault_s is not None:
+                self.last_failure_s = max(self.last_failure_s, since_fault_s)
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """A fault run's shape: the load, the signal and when it goes."""
+
+    name: str
+    call: Call
+    pid: int | None
+    """Where the signal goes (None: no fault, load only)."""
+    signum: signal.Signals = signal.SIGKILL
+    in_flight: int = 16
+    fault_at_s: float = 1.0
+    duration_s: float = 4.0
+
+
+def load_with_fault(plan: FaultPlan) -> FaultResult:
+    """``plan.in_flight`` threads call back to back; the signal goes at ``fault_at_s``."""
+    result = FaultResult(plan.name)
+    stop = threading.Event()
+    fault_at: list[float] = []
+
+    def worker() -> None:
+        while not stop.is_set():
+            code = "OK"
+            try:
+                plan.call()
+            except grpc.RpcError as exc:
+                code = exc.code().name
+            now = time.monotonic()
+            result.add(code, now - fault_at[0] if fault_at else None)
+            if code != "OK":
+                time.sleep(0.05)  # a refused call returns at once: do not spin
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(plan.in_flight)]
+    start = time.monotonic()
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(plan.fault_at_s)
+        fault_at.append(time.monotonic())
+        if plan.pid is not None:
+            os.kill(plan.pid, plan.signum)
+        time.sleep(max(0.0, plan.duration_s - (time.monotonic() - start)))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    return result
+
+
+@contextlib.contextmanager
+def stopped(pids: list[int]) -> Iterator[None]:
+    """SIGSTOP ``pids``; SIGCONT them on exit, whatever happened."""
+    try:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float) -> float:
+    """Seconds until ``check()`` is true; raises TimeoutError after ``timeout_s``."""
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"not true within {timeout_s} s")
+        time.sleep(0.1)
+    return time.monotonic() - start

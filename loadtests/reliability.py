@@ -1,0 +1,386 @@
+"""The reliability harness, long: fuzz, fault runs and a soak on the default mesh.
+
+    python loadtests/reliability.py [--repository ~/.cache/meshserve/repository]
+                                    [--fuzz-cases 10000] [--seed 24] [--soak-minutes 30]
+                                    [--in-flight 16] [--skip fuzz,faults,single,soak]
+
+In order, each on the default models (the LLM included) under the supervisor:
+
+1. ``fuzz``: every stage with 2 replicas; ``--fuzz-cases`` seeded cases (4 in 5
+   gRPC protobuf to Envoy and the orchestrator, 1 in 5 REST/OpenAI JSON through
+   Envoy, ``loadtests/fuzzer.py``); counts 5xx / INTERNAL / UNKNOWN answers and
+   restarted processes.
+2. ``soak`` (same mesh): ``--soak-minutes`` of mixed load (both ensembles and a
+   short LLM chat completion); errors, and RSS per process after a 30-s warm-up
+   and at the end.
+3. ``faults`` (same mesh): SIGKILL of replica 1 of each stage in turn under
+   ``--in-flight`` requests (text_embedding and image_classifier, which cross
+   every stage): 0 failures expected; SIGTERM (drain) of inference-1 likewise;
+   SIGSTOP of every tokenizer replica: text_embedding times out, image_classifier
+   keeps serving; SIGCONT.
+4. ``single``: a mesh with 1 replica per stage; SIGKILL of each stage: failures
+   only UNAVAILABLE, recovery (end of the last failure after the kill) < 10 s.
+
+Each part prints its table. The exit status is 1 when an expectation failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import faults
+import fuzzer
+import grpc
+import numpy as np
+import yaml
+from common import (
+    DEFAULT_REPOSITORY,
+    MESH_READY_MARKER,
+    ROOT,
+    format_table,
+    install_sigterm_exit,
+    missing_models,
+)
+
+from inference import grpc_service_pb2 as pb
+from inference import grpc_service_pb2_grpc as pb_grpc
+from shared.tensors import encode_inputs
+
+MODELS = ["text_embedding", "image_classifier", "llm"]
+STAGES = ["inference", "tokenizer", "preprocess", "postprocess"]
+RECOVERY_LIMIT_S = 10.0
+
+
+# -- the mesh ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def mesh(repository: Path, replicas: int) -> Iterator[dict[str, Any]]:
+    """The default mesh with ``replicas`` of every stage; its ready info (+ supervisor_pid)."""
+    document = yaml.safe_load((ROOT / "deploy" / "local" / "mesh.yaml").read_text())
+    for stage in document["supervisor"]["stages"]:
+        stage["replicas"] = replicas
+    document["supervisor"]["restart_backoff_s"] = [0.2, 2.0]
+    with tempfile.TemporaryDirectory(prefix="meshserve-reliability-") as tmp:
+        config, log_path = Path(tmp) / "mesh.yaml", Path(tmp) / "mesh.log"
+        config.write_text(yaml.safe_dump(document, sort_keys=False))
+        command = [sys.executable, "-m", "deploy.local.supervisor", "--ports", "auto"]
+        command += ["--model-repository", str(repository.expanduser()), "--config", str(config)]
+        with log_path.open("w") as log:
+            proc = subprocess.Popen(
+                command,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,
+            )
+        try:
+            yield _ready(proc, log_path)
+        finally:
+            for pid in faults.stage_pids(proc.pid, "services."):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _ready(proc: subprocess.Popen[str], log_path: Path) -> dict[str, Any]:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        line = proc.stdout.readline()
+        if line.startswith(MESH_READY_MARKER):
+            info: dict[str, Any] = json.loads(line.split(" ", 1)[1])
+            info["supervisor_pid"] = proc.pid
+            info["table"] = faults.ProcessTable.from_ready(info)
+            return info
+    raise RuntimeError(f"the mesh did not become ready:\n{log_path.read_text()[-3000:]}")
+
+
+# -- requests ------------------------------------------------------------------
+
+
+def embedding_request() -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="text_embedding")
+    texts = np.empty((1, 1), dtype=object)
+    texts[0, 0] = b"A reliable mesh answers every request."
+    encode_inputs(request, {"TEXT": texts})
+    return request
+
+
+def image_request() -> pb.ModelInferRequest:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (96, 96), (200, 120, 40)).save(buffer, "PNG")
+    request = pb.ModelInferRequest(model_name="image_classifier")
+    images = np.empty((1, 1), dtype=object)
+    images[0, 0] = buffer.getvalue()
+    encode_inputs(request, {"IMAGE": images})
+    return request
+
+
+def mixed_call(stub: pb_grpc.GRPCInferenceServiceStub, timeout_s: float = 30) -> faults.Call:
+    """Alternately text_embedding and image_classifier (between them, every stage)."""
+    requests = [embedding_request(), image_request()]
+    turn = iter(range(10**12))
+
+    def call() -> None:
+        stub.ModelInfer(requests[next(turn) % 2], timeout=timeout_s)
+
+    return call
+
+
+def chat_call(edge: str) -> Callable[[], None]:
+    """A short greedy LLM chat completion through Envoy; raises on a non-200 answer."""
+    body: dict[str, Any] = {"model": "llm", "messages": [{"role": "user", "content": "Hi."}]}
+    body |= {"max_tokens": 8, "temperature": 0}
+    data = json.dumps(body).encode()
+
+    def call() -> None:
+        request = urllib.request.Request(
+            f"http://{edge}/v1/chat/completions",
+            data=data,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            response.read()
+
+    return call
+
+
+# -- parts ---------------------------------------------------------------------
+
+
+def run_fuzz(info: dict[str, Any], cases: int, seed: int) -> bool:
+    addresses = {"edge": info["processes"]["envoy"]["grpc"], "orchestrator": info["orchestrator"]}
+    grpc_count = cases * 4 // 5
+    every = [
+        *fuzzer.grpc_cases(seed, grpc_count, ["edge", "orchestrator"]),
+        *fuzzer.http_cases(seed, cases - grpc_count),
+    ]
+    start = time.monotonic()
+    result = fuzzer.run_fuzz(every, addresses)
+    restarts = info["table"].restarted()
+    rows = [
+        [
+            "fuzz",
+            result.cases,
+            result.bad_count(),
+            sum(result.known.values()),
+            len(result.findings),
+            len(restarts),
+            time.monotonic() - start,
+        ]
+    ]
+    print(format_table(["run", "cases", "5xx/INT/UNK", "known", "new", "restarts", "s"], rows))
+    print("outcomes:", dict(result.outcomes.most_common()))
+    for item, count in result.known.items():
+        print(f"known: {count} x {item}")
+    for case, what in result.findings[:20]:
+        print(f"FINDING {case.kind}: {what}\n  {fuzzer.reproduction(case)}")
+    if restarts:
+        print("restarted:", restarts)
+    return not result.findings and not restarts
+
+
+def fault_rows(info: dict[str, Any], in_flight: int, single: bool) -> tuple[list[list[Any]], bool]:
+    """SIGKILL each stage's last replica in turn (and, with 2 replicas, drain and stall)."""
+    channel = grpc.insecure_channel(info["orchestrator"])
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    rows, fine = [], True
+    replica = 0 if single else 1
+    runs = [(f"{s}-{replica}", signal.SIGKILL) for s in STAGES]
+    if not single:
+        runs.append(("inference-1", signal.SIGTERM))
+    for label, signum in runs:
+        pid = current_pid(info, label)
+        plan = faults.FaultPlan(
+            f"{signum.name} {label}",
+            mixed_call(stub),
+            pid,
+            signum,
+            in_flight=in_flight,
+            duration_s=14.0 if single else 6.0,
+        )
+        result = faults.load_with_fault(plan)
+        failures = result.failures()
+        ok = set(failures) <= {"UNAVAILABLE"} if single else not failures
+        ok = ok and result.last_failure_s < RECOVERY_LIMIT_S
+        fine &= ok
+        rows.append(_fault_row(plan.name, result, ok))
+        _wait_serving(stub)
+    if not single:
+        rows.append(stall_row(info, stub))
+        fine &= rows[-1][-1] == "yes"
+    channel.close()
+    return rows, fine
+
+
+def _fault_row(name: str, result: faults.FaultResult, ok: bool) -> list[Any]:
+    failures = " ".join(f"{code}={n}" for code, n in sorted(result.failures().items()))
+    return [name, result.requests, failures or "0", result.last_failure_s, "yes" if ok else "NO"]
+
+
+def _wait_serving(stub: pb_grpc.GRPCInferenceServiceStub) -> None:
+    call = mixed_call(stub, timeout_s=5)
+
+    def serves() -> bool:
+        try:
+            call()
+            call()
+        except grpc.RpcError:
+            return False
+        return True
+
+    faults.wait_until(serves, timeout_s=60)
+
+
+def stall_row(info: dict[str, Any], stub: pb_grpc.GRPCInferenceServiceStub) -> list[Any]:
+    """SIGSTOP every tokenizer: text_embedding times out, image_classifier serves."""
+    stalled = faults.stage_pids(info["supervisor_pid"], "services.tokenizer.main")
+    codes: Counter[str] = Counter()
+    with faults.stopped(stalled):
+        for request in [embedding_request(), image_request()] * 4:
+            try:
+                stub.ModelInfer(request, timeout=3)
+                codes[f"{request.model_name}:OK"] += 1
+            except grpc.RpcError as exc:
+                codes[f"{request.model_name}:{exc.code().name}"] += 1
+    start = time.monotonic()
+    _wait_serving(stub)
+    timed_out = codes["text_embedding:DEADLINE_EXCEEDED"] + codes["text_embedding:UNAVAILABLE"]
+    ok = timed_out == 4 and codes["image_classifier:OK"] == 4
+    summary = " ".join(f"{k}={v}" for k, v in sorted(codes.items()))
+    return ["SIGSTOP tokenizer", 8, summary, time.monotonic() - start, "yes" if ok else "NO"]
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of ``pid`` (NaN once gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def run_soak(info: dict[str, Any], minutes: float, in_flight: int) -> bool:
+    """Mixed load for ``minutes``: 1 in 4 workers chat with the LLM; RSS per process."""
+    channel = grpc.insecure_channel(info["orchestrator"])
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    calls = [mixed_call(stub), chat_call(info["processes"]["envoy"]["grpc"])]
+    turn = iter(range(10**12))
+
+    def call() -> None:
+        index = next(turn)
+        calls[1 if index % 8 == 0 else 0]()
+
+    pids = {name: pid for name, (pid, _) in info["table"].started.items()}
+    warm = faults.load_with_fault(_noop_plan(call, in_flight, 30.0))
+    start_rss = {name: rss_mib(pid) for name, pid in pids.items()}
+    result = faults.load_with_fault(_noop_plan(call, in_flight, minutes * 60))
+    end_rss = {name: rss_mib(pid) for name, pid in pids.items()}
+    channel.close()
+    restarts = info["table"].restarted()
+    errors = sum(result.failures().values()) + sum(warm.failures().values())
+    print(
+        format_table(
+            ["soak", "requests", "errors", "restarts"],
+            [[f"{minutes:g} min, {in_flight} in flight", result.requests, errors, len(restarts)]],
+        )
+    )
+    if result.failures():
+        print("errors by code:", result.failures())
+    rows = [
+        [name, start_rss[name], end_rss[name], 100 * (end_rss[name] / start_rss[name] - 1)]
+        for name in sorted(pids)
+    ]
+    print(format_table(["process", "RSS start MiB", "RSS end MiB", "growth %"], rows))
+    return errors == 0 and not restarts
+
+
+def _noop_plan(call: faults.Call, in_flight: int, seconds: float) -> faults.FaultPlan:
+    """Load with no fault."""
+    return faults.FaultPlan("soak", call, None, in_flight=in_flight, duration_s=seconds)
+
+
+def current_pid(info: dict[str, Any], label: str) -> int:
+    """The PID of ``label`` now: the one it started with, or the supervisor's restart."""
+    table: faults.ProcessTable = info["table"]
+    if label not in table.restarted():
+        return table.pid(label)
+    stage = label.rsplit("-", 1)[0]
+    others = {table.pid(n) for n in table.started if n.startswith(stage + "-") and n != label}
+    module = f"services.{stage}.main"
+    (pid,) = set(faults.stage_pids(info["supervisor_pid"], module)) - others
+    return pid
+
+
+# -- main ----------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    parser.add_argument("--fuzz-cases", type=int, default=10_000)
+    parser.add_argument("--seed", type=int, default=24)
+    parser.add_argument("--soak-minutes", type=float, default=30.0)
+    parser.add_argument("--in-flight", type=int, default=16)
+    parser.add_argument("--skip", default="", help="comma-separated: fuzz,faults,single,soak")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    missing = missing_models(args.repository, MODELS)
+    if missing:
+        print(f"missing models in {args.repository}: {missing} (run `make models`)")
+        return 2
+    install_sigterm_exit()
+    fine = True
+    if {"fuzz", "faults", "soak"} - skip:
+        with mesh(args.repository, replicas=2) as info:
+            if "fuzz" not in skip:
+                fine &= run_fuzz(info, args.fuzz_cases, args.seed)
+            if "soak" not in skip:  # before the faults: their restarts are expected
+                fine &= run_soak(info, args.soak_minutes, args.in_flight)
+            if "faults" not in skip:
+                rows, ok = fault_rows(info, args.in_flight, single=False)
+                print(format_table(HEADERS, rows))
+                fine &= ok
+    if "single" not in skip:
+        with mesh(args.repository, replicas=1) as info:
+            rows, ok = fault_rows(info, args.in_flight, single=True)
+            print(format_table(HEADERS, rows))
+            fine &= ok
+    print("all expectations held" if fine else "SOME EXPECTATIONS FAILED")
+    return 0 if fine else 1
+
+
+HEADERS = ["fault run", "requests", "failures by code", "recovery s", "as expected"]
+
+if __name__ == "__main__":
+    sys.exit(main())
