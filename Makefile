@@ -61,7 +61,7 @@ lint: $(STAMP) $(BUF)
 	$(PY) -m mypy
 
 test: lint models $(NODE_DEPS) $(KSERVE_STAMP)
-	MESHSERVE_CACHE=$(CACHE) $(PY) -m pytest -q -p no:cacheprovider
+	MESHSERVE_CACHE=$(CACHE) $(PY) -m pytest -q -p no:cacheprovider --durations=15
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -x tests/unit
