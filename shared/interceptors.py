@@ -35,7 +35,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from shared.errors import GENERIC_INTERNAL_MESSAGE, MeshError, Unavailable
+from shared.errors import GENERIC_INTERNAL_MESSAGE, InvalidArgument, MeshError, Unavailable
 from shared.tracing import (
     extract_context,
     inject_metadata,
@@ -76,7 +76,12 @@ class _HandlerWrapper(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         handler = await continuation(details)
         if handler is None:
             return None
-        return _rewrapped(handler, functools.partial(self.wrap, details=details))
+        wrap = functools.partial(self.wrap, details=details)
+        return _rewrapped(handler, wrap, self.deserializer(handler))
+
+    def deserializer(self, handler: grpc.RpcMethodHandler[Any, Any]) -> Any:
+        """The request deserializer to run (default: the handler's own)."""
+        return handler.request_deserializer
 
     def wrap(
         self, behavior: Behavior, bidirectional: bool, details: grpc.HandlerCallDetails
@@ -86,11 +91,14 @@ class _HandlerWrapper(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 
 def _rewrapped(
-    handler: grpc.RpcMethodHandler[Any, Any], wrap: Callable[[Behavior, bool], Behavior]
+    handler: grpc.RpcMethodHandler[Any, Any],
+    wrap: Callable[[Behavior, bool], Behavior],
+    deserializer: Any,
 ) -> grpc.RpcMethodHandler[Any, Any]:
-    """``handler`` with its behaviour passed through ``wrap``, of the same call kind."""
+    """``handler`` with its behaviour passed through ``wrap`` and ``deserializer``
+    for requests, of the same call kind."""
     codecs = {
-        "request_deserializer": handler.request_deserializer,
+        "request_deserializer": deserializer,
         "response_serializer": handler.response_serializer,
     }
     if handler.unary_unary is not None:
@@ -144,8 +152,57 @@ class _SeenRequests:
         return request
 
 
+class _Undecodable:
+    """What a request that does not decode becomes (``ErrorInterceptor``): gRPC
+    would answer UNKNOWN and log a traceback per request, before any handler
+    or interceptor could say what was wrong."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _decoding(deserializer: Callable[[bytes], Any], streaming: bool) -> Callable[[bytes], Any]:
+    """``deserializer`` answering a message that does not decode with an
+    ``_Undecodable`` (a unary request: its handler has not started, so the
+    error interceptor answers it) or an InvalidArgument (a stream's request: the
+    handler reading it gets the error, and the interceptor maps it)."""
+    owner = getattr(deserializer, "__self__", None)
+    descriptor = getattr(owner, "DESCRIPTOR", None)
+    kind = getattr(descriptor, "full_name", "") or "request"
+    message = f"the request is not a valid {kind} message"
+
+    def decoded(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception as exc:
+            log.info("%s (%d bytes): %s", message, len(raw), exc)
+            if streaming:
+                raise InvalidArgument(message) from None
+            return _Undecodable(message)
+
+    return decoded
+
+
 class ErrorInterceptor(_HandlerWrapper):
-    """The one error map: a handler's exception becomes the RPC's status."""
+    """The one error map: a handler's exception becomes the RPC's status (and a
+    request that does not decode, INVALID_ARGUMENT)."""
+
+    def __init__(self) -> None:
+        # One wrapper per deserializer, made on its first call: nothing new per RPC.
+        self._decoders: dict[tuple[Any, bool], Callable[[bytes], Any]] = {}
+
+    def deserializer(self, handler: grpc.RpcMethodHandler[Any, Any]) -> Any:
+        """The handler's deserializer, answering a request that does not decode."""
+        own = handler.request_deserializer
+        if own is None:
+            return None  # raw bytes: nothing to decode
+        key = (own, handler.request_streaming)
+        decoder = self._decoders.get(key)
+        if decoder is None:
+            decoder = self._decoders[key] = _decoding(own, handler.request_streaming)
+        return decoder
 
     def wrap(
         self, behavior: Behavior, bidirectional: bool, details: grpc.HandlerCallDetails
@@ -157,6 +214,8 @@ class ErrorInterceptor(_HandlerWrapper):
 async def _statuses(
     method: str, request: Any, context: grpc.aio.ServicerContext[Any, Any]
 ) -> AsyncIterator[Any]:
+    if type(request) is _Undecodable:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
     try:
         yield request
     except grpc.aio.AbortError:
