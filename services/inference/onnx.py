@@ -1,12 +1,41 @@
-"""The ``onnxruntime`` backend: ``model.onnx`` run by an ONNX Runtime session."""
+"""The ``onnxruntime`` backend: ``model.onnx`` run by an ONNX Runtime session.
+
+A run that ONNX Runtime refuses because of the request's data (an index out of
+an embedding's range, a shape the graph cannot take) is the caller's error:
+INVALID_ARGUMENT naming the model, the input when ORT's message names one, and
+ORT's words, bounded. Any other run failure is the server's (INTERNAL; the
+traceback in the log).
+"""
 
 from __future__ import annotations
 
+import logging
+import re
+
 import numpy as np
 import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
 from shared.backend import InstanceSpec, ModelSpec, TensorInstance
-from shared.errors import ConfigError
+from shared.errors import ConfigError, InvalidArgument
+from shared.request import InferRequest, InferResponse
+
+log = logging.getLogger(__name__)
+
+REASON_CHARS = 300
+"""ORT's message is cut to this in the caller's error (the log has all of it)."""
+
+# ORT reports data errors of some kernels with FAIL or RUNTIME_EXCEPTION; these
+# words say the request's values or shapes were the cause, not the model.
+_DATA_ERRORS = re.compile(
+    r"out of (data )?bounds|out of range|cannot be reshaped|invalid dimensions"
+    r"|invalid rank|unexpected input data type|incompatible dimensions|broadcast",
+    re.IGNORECASE,
+)
+# What ORT puts before its own words: "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : ".
+_ORT_PREFIX = re.compile(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ")
+# An index ORT says was out of range ("idx=1000000000").
+_INDEX = re.compile(r"\bidx=(-?\d+)")
 
 
 class OnnxInstance(TensorInstance):
@@ -40,6 +69,10 @@ class OnnxInstance(TensorInstance):
             device_id = instance.device.split(":")[1]
             providers.insert(0, ("CUDAExecutionProvider", {"device_id": device_id}))
         self.session = ort.InferenceSession(str(path), options, providers=providers)
+        # A failed run is reported once, by us: ORT would also log every refused
+        # request (an out-of-range token id) at ERROR on its own.
+        self._run_options = ort.RunOptions()
+        self._run_options.log_severity_level = 4
         graph_inputs = {item.name for item in self.session.get_inputs()}
         missing = [t.name for t in spec.config.input if t.name not in graph_inputs]
         if missing:
@@ -50,8 +83,53 @@ class OnnxInstance(TensorInstance):
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One session run over the declared outputs."""
-        values = self.session.run(self.output_names, inputs)
+        try:
+            values = self.session.run(self.output_names, inputs, self._run_options)
+        except (ort_errors.InvalidArgument, ort_errors.Fail, ort_errors.RuntimeException) as exc:
+            text = str(exc)
+            if not isinstance(exc, ort_errors.InvalidArgument) and not _DATA_ERRORS.search(text):
+                raise  # the model's or the runtime's fault: INTERNAL, traceback logged
+            raise self._refused(text, inputs) from None
         return dict(zip(self.output_names, values, strict=True))
+
+    def execute(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
+        """Run the batch; when one request's data fails the merged run, each runs
+        alone so that only its own caller gets the error."""
+        try:
+            return super().execute(requests)
+        except InvalidArgument:
+            if len(requests) == 1:
+                raise
+            return [self._one(request) for request in requests]
+
+    def _refused(self, text: str, inputs: dict[str, np.ndarray]) -> InvalidArgument:
+        """The caller's error for a run ORT refused on the request's data."""
+        log.info("model '%s': run refused for the request's data: %s", self.model.name, text)
+        detail = _ORT_PREFIX.sub("", text.split("Status Message: ", 1)[-1]).strip()
+        tensor = _named_input(text, inputs)
+        where = f" input '{tensor}':" if tensor else ""
+        return InvalidArgument(
+            f"model '{self.model.name}':{where} the request's data is invalid for this "
+            f"model: {detail[:REASON_CHARS]}"
+        )
+
+
+def _named_input(text: str, inputs: dict[str, np.ndarray]) -> str | None:
+    """The input ORT's message is about: one it names, else the one integer
+    input holding the out-of-range index it quotes (None when not one)."""
+    named = [name for name in inputs if re.search(rf"\b{re.escape(name)}\b", text)]
+    if len(named) == 1:
+        return named[0]
+    index = _INDEX.search(text)
+    if index is None:
+        return None
+    value = int(index.group(1))
+    holding = [
+        name
+        for name, array in inputs.items()
+        if array.dtype.kind in "iu" and bool(np.any(array == value))
+    ]
+    return holding[0] if len(holding) == 1 else None
 
 
 class OnnxBackend:

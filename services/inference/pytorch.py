@@ -4,13 +4,15 @@ A version folder holds either ``model.pt`` (TorchScript, or
 ``default_model_filename``) or ``model.py`` defining an ``nn.Module`` plus an
 optional state dict (``model.pth``, or the ``state_dict`` parameter). Inputs
 are passed positionally in config order; a tensor, tuple or dict result maps
-onto the config outputs.
+onto the config outputs. An index out of a model's range in the request (an
+embedding's IndexError) is the caller's INVALID_ARGUMENT, not an INTERNAL.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import logging
 import warnings
 from typing import Any
 
@@ -20,7 +22,13 @@ import torch
 from inference import model_config_pb2 as mc
 from shared.backend import InstanceSpec, ModelSpec, TensorInstance, parameter
 from shared.errors import ConfigError, InvalidArgument
+from shared.request import InferRequest, InferResponse
 from shared.tensors import DATATYPES, config_datatype
+
+log = logging.getLogger(__name__)
+
+REASON_CHARS = 300
+"""torch's message is cut to this in the caller's error (the log has all of it)."""
 
 
 def _load_module(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
@@ -112,9 +120,34 @@ class PyTorchInstance(TensorInstance):
             args.append(
                 torch.from_numpy(np.require(array, requirements=["W", "C"])).to(self.device)
             )
-        with torch.inference_mode():
-            result = self.module(*args)
+        try:
+            with torch.inference_mode():
+                result = self.module(*args)
+        except (IndexError, RuntimeError) as exc:
+            # TorchScript may carry an IndexError as a RuntimeError with its words.
+            if not isinstance(exc, IndexError) and "index out of range" not in str(exc):
+                raise  # the model's fault: INTERNAL, traceback logged
+            raise self._refused(exc) from None
         return self._outputs(result)
+
+    def execute(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
+        """Run the batch; when one request's data fails the merged run, each runs
+        alone so that only its own caller gets the error."""
+        try:
+            return super().execute(requests)
+        except InvalidArgument:
+            if len(requests) == 1:
+                raise
+            return [self._one(request) for request in requests]
+
+    def _refused(self, exc: Exception) -> InvalidArgument:
+        """The caller's error for a forward that failed on the request's values."""
+        log.info("model '%s': forward refused for the request's data: %s", self.model.name, exc)
+        detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        return InvalidArgument(
+            f"model '{self.model.name}': an input value is out of this model's range: "
+            f"{detail[:REASON_CHARS]}"
+        )
 
     def _outputs(self, result: Any) -> dict[str, np.ndarray]:
         if isinstance(result, dict):
