@@ -26,7 +26,13 @@ from inference import model_config_pb2 as mc
 from shared.backend import Backend, CompletingBackend, ModelSpec, config_parameters
 from shared.errors import ConfigError, InvalidArgument, MeshError, NotFound, Unavailable
 from shared.model import ModelVersion
-from shared.repository import CONFIG_FILE, ModelEntry, ModelRepository, validate_config
+from shared.repository import (
+    CONFIG_FILE,
+    ModelEntry,
+    ModelRepository,
+    safe_text,
+    validate_config,
+)
 from shared.statistics import Metrics
 
 log = logging.getLogger(__name__)
@@ -103,7 +109,7 @@ class ModelManager:
         if not self.repository.has(name):
             raise NotFound(
                 f"failed to load '{name}', failed to poll from model repository "
-                f"(no model '{name}' in {self.repository.root})"
+                f"(no model folder '{name}' in the model repository)"
             )
         async with self._lock(name):
             try:
@@ -141,14 +147,24 @@ class ModelManager:
 
     def _load_failed(self, name: str, exc: BaseException) -> MeshError:
         """Record ``exc`` as the load error of ``name``: index, log, metrics; the
-        error to raise, naming the model in Triton's words."""
+        error to raise, naming the model in Triton's words.
+
+        The reason callers see has no path of the server's outside the
+        repository; the log has the repository's path and model code's traceback.
+        """
         if isinstance(exc, MeshError):
-            detail, kind = exc.message, type(exc)
+            detail, kind, trace = exc.message, type(exc), None
         else:
             # Model code's own exception: its type and text are what its author needs.
-            detail, kind = f"{type(exc).__name__}: {exc}", InvalidArgument
-        self._failed[name] = detail[:REASON_CHARS]
-        log.error("failed to load '%s': %s", name, self._failed[name])
+            detail, kind, trace = f"{type(exc).__name__}: {exc}", InvalidArgument, exc
+        self._failed[name] = safe_text(detail, self.repository.root)[:REASON_CHARS]
+        log.error(
+            "failed to load '%s': %s (repository %s)",
+            name,
+            detail,  # as raised: the log may name the server's folders
+            self.repository.root.absolute(),
+            exc_info=trace,
+        )
         if self.metrics is not None:
             self.metrics.load_failures.labels(name).inc()
         self._set_ready(name, bool(self._versions.get(name)))
@@ -242,7 +258,7 @@ class ModelManager:
         try:
             self.repository.config(name)
         except ConfigError as exc:
-            return exc.message[:REASON_CHARS]
+            return safe_text(exc.message, self.repository.root)[:REASON_CHARS]
         return self._failed.get(name, "")
 
 

@@ -3,12 +3,15 @@
 ``config.pbtxt`` is parsed with protobuf ``text_format`` into Triton's
 ``ModelConfig`` schema, so any real Triton config parses; fields the mesh does
 not implement are reported by name instead of being silently ignored. A bad
-file gives an error naming the file, the line and what is wrong.
+file gives an error naming the file, the line and what is wrong; the file as
+a path in the repository (``model/config.pbtxt``), since errors reach callers
+who have no business knowing the server's folders.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,12 +72,31 @@ class ModelEntry:
         return self.path / str(version)
 
 
+def shown(path: Path) -> str:
+    """A model's file as errors name it: relative to the repository (``model/file``)."""
+    return f"{path.parent.name}/{path.name}"
+
+
+# An absolute path in an error's text: a caller sees only its last part.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~-])(?:/[\w.@+~-]+)+/([\w.@+~-]+)")
+
+
+def safe_text(text: str, root: Path | None) -> str:
+    """An error's text fit for any caller: paths in the repository ``root`` as
+    paths in it (``model/1/model.onnx``), any other absolute path cut to its
+    last part. (The log keeps the full text.)"""
+    if root is not None:
+        for folder in {str(root.absolute()), str(root.resolve())}:
+            text = text.replace(folder + "/", "")
+    return _ABSOLUTE_PATH.sub(r".../\1", text)
+
+
 def read_config(path: Path) -> str:
     """The text of one config.pbtxt."""
     try:
         return path.read_text()
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+        raise ConfigError(f"{shown(path)}: cannot read: {exc.strerror}") from exc
 
 
 def parse_config(path: Path, text: str | None = None) -> mc.ModelConfig:
@@ -87,7 +109,7 @@ def parse_config(path: Path, text: str | None = None) -> mc.ModelConfig:
         text_format.Parse(text, config)
     except text_format.ParseError as exc:
         line, column = exc.GetLine(), exc.GetColumn()
-        where = f"{path}:{line}:{column}" if line else str(path)
+        where = f"{shown(path)}:{line}:{column}" if line else shown(path)
         message = str(exc).split(" : ", 1)[-1] if line else str(exc)
         raise ConfigError(f"{where}: {message}") from exc
     return config
@@ -102,7 +124,7 @@ def unsupported_fields(config: mc.ModelConfig) -> list[str]:
 
 def validate_config(config: mc.ModelConfig, path: Path) -> None:
     """Checks that text_format cannot make: names, batch size, types, dims."""
-    where = str(path)
+    where = shown(path)
     if config.max_batch_size < 0:
         raise ConfigError(f"{where}: max_batch_size must be >= 0, got {config.max_batch_size}")
     for kind, tensors in (("input", config.input), ("output", config.output)):
@@ -138,7 +160,7 @@ def select_versions(
         missing = sorted(set(policy.specific.versions) - set(on_disk))
         if missing:
             raise ConfigError(
-                f"{path / CONFIG_FILE}: version_policy.specific names versions {missing} "
+                f"{shown(path / CONFIG_FILE)}: version_policy.specific names versions {missing} "
                 f"that have no folder (on disk: {list(on_disk)})"
             )
         chosen = tuple(sorted(policy.specific.versions))
@@ -146,11 +168,11 @@ def select_versions(
         count = policy.latest.num_versions if which == "latest" else 1
         if count < 1:
             raise ConfigError(
-                f"{path / CONFIG_FILE}: version_policy.latest.num_versions must be >= 1"
+                f"{shown(path / CONFIG_FILE)}: version_policy.latest.num_versions must be >= 1"
             )
         chosen = on_disk[-count:]
     if not chosen:
-        raise ConfigError(f"{path}: no numbered version folder to serve")
+        raise ConfigError(f"{path.name}: no numbered version folder to serve")
     return chosen
 
 
@@ -171,7 +193,8 @@ class ModelRepository:
     def names(self) -> list[str]:
         """Model folder names: those with a config.pbtxt, and python models without one."""
         if not self.root.is_dir():
-            raise ConfigError(f"{self.root}: model repository folder does not exist")
+            log.error("model repository folder %s does not exist", self.root)
+            raise ConfigError("the model repository folder does not exist")
         return sorted(child.name for child in self.root.iterdir() if self.has(child.name))
 
     def has(self, name: str) -> bool:
@@ -191,7 +214,7 @@ class ModelRepository:
         path = self.root / name
         config_path = path / CONFIG_FILE
         if not self.has(name):
-            raise NotFound(f"model '{name}' is not in the repository {self.root}")
+            raise NotFound(f"model '{name}' is not in the model repository")
         config = mc.ModelConfig()
         config.CopyFrom(self._config(name, config_path))  # callers may change their copy
         versions = tuple(
@@ -220,7 +243,7 @@ class ModelRepository:
         config = parse_config(config_path, text)
         if config.name and config.name != name:
             raise ConfigError(
-                f"{config_path}: name '{config.name}' differs from its folder name '{name}'"
+                f"{shown(config_path)}: name '{config.name}' differs from its folder name '{name}'"
             )
         config.name = name
         validate_config(config, config_path)

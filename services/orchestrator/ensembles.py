@@ -24,7 +24,7 @@ from services.orchestrator.ensemble import (
     WireTensor,
 )
 from shared.errors import MeshError, NotFound, Unavailable
-from shared.repository import ModelRepository, is_ensemble
+from shared.repository import ModelRepository, is_ensemble, safe_text
 from shared.statistics import Metrics, StatsRecorder
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class EnsembleRegistry:
             except MeshError as exc:
                 # An ensemble whose config is wrong is listed with its error.
                 if self.repository.declared_backend(name) == "ensemble":
-                    self.failed[name] = exc.message
+                    self.failed[name] = self._reason(exc)
                     self.plans.pop(name, None)
                     names.append(name)
         return names
@@ -97,7 +97,7 @@ class EnsembleRegistry:
                         continue  # build() names the step that uses the unknown model
             plan = EnsemblePlan.build(config, models)
         except MeshError as exc:
-            self.failed[name] = exc.message
+            self.failed[name] = self._reason(exc)
             self.plans.pop(name, None)
             raise
         self.plans[name] = plan
@@ -105,6 +105,11 @@ class EnsembleRegistry:
         self.stats.setdefault(name, StatsRecorder(name, ENSEMBLE_VERSION, self._metrics))
         log.info("ensemble '%s' ready (%d steps)", name, len(plan.steps))
         return plan
+
+    def _reason(self, exc: MeshError) -> str:
+        """Why an ensemble failed, as any caller may read it (no server paths)."""
+        root = self.repository.root if self.repository is not None else None
+        return safe_text(exc.message, root)
 
     async def _model_io(self, model: str) -> ModelIO:
         if model in self.plans:
