@@ -238,6 +238,12 @@ def _http_filters(settings: EdgeSettings) -> list[dict[str, Any]]:
                     "stream_sse_style_delimited": True,
                 },
                 "request_validation_options": {"reject_unknown_method": True},
+                # A query parameter that names no field is ignored, as the adapter's
+                # routes on this port ignore it (a cache buster, a tracking tag);
+                # left to the transcoder it fails the call with a reset (503).
+                "ignore_unknown_query_parameters": True,
+                # "+" in a query is a space, as HTML forms and most clients mean it.
+                "query_param_unescape_plus": True,
             },
         },
         {
