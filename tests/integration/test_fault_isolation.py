@@ -181,11 +181,15 @@ def test_broken_models_are_unavailable_with_their_errors_and_the_rest_serves(
     for row in rows:
         by_name.setdefault(row.name, []).append(row)
     assert [(r.state, r.version) for r in by_name["add_sub"]] == [("READY", "1")]
+    repository = Path(mesh["repository"])
     for name, error in BROKEN.items():
         (row,) = by_name[name]  # once, though both stages list an unreadable config
         assert row.state == "UNAVAILABLE"
         assert error in row.reason
         assert len(row.reason) <= 1000
+        # Any caller reads the reason: no folder of the server's in it.
+        assert str(repository) not in row.reason and str(repository.resolve()) not in row.reason
+    assert "broken_config/config.pbtxt:3:" in by_name["broken_config"][0].reason
     ready = {r.name for r in stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True)).models}
     assert ready == {"add_sub"}
 
@@ -262,3 +266,12 @@ def test_failed_loads_say_failed_to_load(stub: pb_grpc.GRPCInferenceServiceStub)
     )
     assert "failed to load 'broken_init'" in failure.details()
     assert BROKEN["broken_init"] in failure.details()
+
+    # A runtime load names the model and its file in the repository, nothing above it.
+    failure = rpc_error(
+        stub.RepositoryModelLoad, pb.RepositoryModelLoadRequest(model_name="broken_config")
+    )
+    assert failure.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "failed to load 'broken_config'" in failure.details()
+    assert "broken_config/config.pbtxt:3:" in failure.details()
+    assert "/broken_config/" not in failure.details()
