@@ -327,6 +327,8 @@ def send_http(base_url: str, case: Case) -> tuple[str, str]:
             return str(response.status), ""
     except urllib.error.HTTPError as err:
         return str(err.code), err.read(300).decode(errors="replace")
+    except TimeoutError:  # a valid but long request (an LLM chat without max_tokens)
+        return "timeout", ""
     except (OSError, urllib.error.URLError) as err:  # a reset connection is the server's fault
         return "599", f"connection: {err}"
 
