@@ -36,7 +36,7 @@ from shared.backend import (
     is_decoupled,
 )
 from shared.batcher import BatchPolicy, DynamicBatcher, QueuePolicy
-from shared.errors import ConfigError, InvalidArgument, MeshError, Unavailable
+from shared.errors import ConfigError, InvalidArgument, MeshError, Overloaded, Unavailable
 from shared.request import InferRequest, InferResponse
 from shared.statistics import Metrics, StatsRecorder
 from shared.tensors import DATATYPES, config_datatype, datatype_of
@@ -105,18 +105,70 @@ class QuickThreadedInstance(ThreadedInstance):
         return self._run_inline(requests)
 
 
-def batch_policy(config: mc.ModelConfig) -> BatchPolicy:
-    """Triton's dynamic_batching settings as a BatchPolicy."""
+QUEUED_BATCHES_PER_INSTANCE = 8
+"""A model whose config bounds no queue may hold this many full batches per
+instance queued (per priority level), e.g. 8 x max_batch_size 8 x 2 instances =
+128 requests; one more is refused RESOURCE_EXHAUSTED (HTTP 429) at once instead
+of waiting without end. The ``max_queue_size`` parameter (0: unbounded) or
+Triton's ``default_queue_policy.max_queue_size`` replace it."""
+
+DEFAULT_QUEUE_TIMEOUT_US = 30_000_000
+"""A request that waited this long in a queue (30 s) fails UNAVAILABLE, unless
+the config sets Triton's ``default_timeout_microseconds`` or the
+``queue_timeout_us`` parameter (0: no timeout)."""
+
+STREAMS_PER_INSTANCE = 256
+"""A decoupled model (no batcher) runs at most this many streams per instance at
+once unless its ``max_queue_size`` parameter says otherwise (0: unbounded)."""
+
+
+def _count_parameter(config: mc.ModelConfig, key: str) -> int | None:
+    """A non-negative integer parameter; None when the config does not set it."""
+    if key not in config.parameters:
+        return None
+    value = config.parameters[key].string_value.strip()
+    if not value.isdigit():
+        raise ConfigError(
+            f"model '{config.name}': parameter {key} must be an integer >= 0, got {value!r}"
+        )
+    return int(value)
+
+
+def default_queue_size(config: mc.ModelConfig, instances: int) -> int:
+    """The per-level queue bound of a config that sets none (0: unbounded)."""
+    configured = _count_parameter(config, "max_queue_size")
+    if configured is not None:
+        return configured
+    return QUEUED_BATCHES_PER_INSTANCE * max(1, config.max_batch_size) * max(1, instances)
+
+
+def default_queue_timeout_us(config: mc.ModelConfig) -> int:
+    """The queue timeout of a config that sets none (0: no timeout)."""
+    configured = _count_parameter(config, "queue_timeout_us")
+    return DEFAULT_QUEUE_TIMEOUT_US if configured is None else configured
+
+
+def stream_limit(config: mc.ModelConfig, instances: int) -> int:
+    """How many streams a decoupled model runs at once (0: unbounded)."""
+    configured = _count_parameter(config, "max_queue_size")
+    return STREAMS_PER_INSTANCE * max(1, instances) if configured is None else configured
+
+
+def batch_policy(config: mc.ModelConfig, instances: int = 1) -> BatchPolicy:
+    """Triton's dynamic_batching settings as a BatchPolicy; a queue policy that
+    sets no size or timeout gets the bounded defaults above."""
     dyn = config.dynamic_batching
+    size = default_queue_size(config, instances)
+    timeout_us = default_queue_timeout_us(config)
 
     def queue_policy(policy: mc.ModelQueuePolicy) -> QueuePolicy:
         return QueuePolicy(
             timeout_action="DELAY"
             if policy.timeout_action == mc.ModelQueuePolicy.DELAY
             else "REJECT",
-            default_timeout_us=policy.default_timeout_microseconds,
+            default_timeout_us=policy.default_timeout_microseconds or timeout_us,
             allow_timeout_override=policy.allow_timeout_override,
-            max_queue_size=policy.max_queue_size,
+            max_queue_size=policy.max_queue_size or size,
         )
 
     return BatchPolicy(
@@ -240,6 +292,7 @@ class ModelVersion:
         self.streaming: list[StreamingInstance] = []
         """A decoupled model's instances (it has neither threaded instances nor a batcher)."""
         self._open_streams: dict[int, int] = {}  # id(streaming instance) -> streams open on it
+        self._stream_limit = 0  # most streams open at once; 0: unbounded (set at load)
         self._streams_drained = asyncio.Event()
         self._streams_drained.set()
         config = spec.config
@@ -305,7 +358,7 @@ class ModelVersion:
             threaded = kind(instance_spec, backend_instance, executor, self.stats, self.batched)
             self.instances.append(threaded)
         self.batcher = DynamicBatcher(
-            batch_policy(self.spec.config),
+            batch_policy(self.spec.config, len(self.instances)),
             self.instances,
             name=f"{self.name}:{self.version}",
             on_pending=self.stats.set_pending,
@@ -318,6 +371,7 @@ class ModelVersion:
                 f"model '{self.name}': backend '{backend.name}' cannot serve decoupled models "
                 "(model_transaction_policy { decoupled: true } is set)"
             )
+        self._stream_limit = stream_limit(self.spec.config, len(specs))
         loop = asyncio.get_running_loop()
         for instance_spec in specs:
             # Building an instance may import heavy modules: a worker thread, not the loop.
@@ -432,6 +486,11 @@ class ModelVersion:
             raise Unavailable(f"model '{self.name}' version {self.version} is not ready")
         self.validate(request)
         self._label_span()
+        limit = self._stream_limit
+        if limit and sum(self._open_streams.values()) >= limit:
+            raise Overloaded(
+                f"model '{self.name}': {limit} streams are open (max_queue_size); retry later"
+            )
         return min(self.streaming, key=lambda instance: self._open_streams.get(id(instance), 0))
 
     @contextlib.contextmanager
