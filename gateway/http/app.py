@@ -19,7 +19,7 @@ from aiohttp import web
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from gateway.http import documents, generate, middleware, openai, rest
+from gateway.http import documents, generate, middleware, openai, rest, sse
 from gateway.http.upstream import MeshClient, Upstream
 from inference import grpc_service_pb2 as pb
 from shared.errors import MeshError, Unimplemented
@@ -43,6 +43,8 @@ class AdapterState:
     max_body_bytes: int
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     draining: bool = False
+    streams: sse.Streams = field(default_factory=sse.Streams)
+    """The SSE answers in flight; shutdown cuts those that outlive the grace period."""
 
     def __post_init__(self) -> None:
         self.requests = Counter(
@@ -239,6 +241,7 @@ def build_app(state: AdapterState) -> web.Application:
     ]
     app = web.Application(middlewares=layers, client_max_size=state.max_body_bytes)
     app[STATE] = state
+    app[sse.STREAMS] = state.streams
     model = "/v2/models/{name}"
     version = "/v2/models/{name}/versions/{version}"
     app.router.add_get("/v2/health/live", server_live)

@@ -6,8 +6,9 @@ When ready it prints ``MESHSERVE_READY {json}`` like every service, with its
 HTTP address under ``http`` and, so launchers that read ``grpc`` as "the
 service's address" work unchanged, the same address under ``grpc``.
 On SIGTERM: readiness turns 400 and new requests get 503, the listener
-closes, in-flight requests get ``grace_period_s`` to finish, then the gRPC
-channels close.
+closes, in-flight requests get ``grace_period_s`` to finish; a streamed answer
+still open then ends with an error event (no ``[DONE]``), so its client knows
+it was cut short; then the gRPC channels close.
 """
 
 from __future__ import annotations
@@ -50,6 +51,24 @@ class HttpAdapterConfig(ServiceConfig):
     """gRPC connections to the orchestrator; calls go round robin over them."""
     request_timeout_s: float = Field(300.0, gt=0.0, le=3600.0)
     """Deadline of each call to the orchestrator; past it the caller gets 504."""
+
+
+CUT_REASON = "the HTTP adapter shut down before the answer finished; retry on another replica"
+
+
+async def drain(runner: web.BaseRunner, state: AdapterState, grace_s: float) -> None:
+    """Refuse new work, give in-flight requests ``grace_s`` (the runner's shutdown
+    timeout), cut the streams still open with an error event, then close."""
+    state.draining = True
+    loop = asyncio.get_running_loop()
+    # aiohttp cancels the handlers still running after grace_s and drops their
+    # connections at once: the streams are cut a little before, so their error
+    # events go out first.
+    cutting = loop.call_later(grace_s - min(1.0, grace_s / 4), state.streams.cut, CUT_REASON)
+    try:
+        await runner.cleanup()
+    finally:
+        cutting.cancel()
 
 
 def _announce(config: HttpAdapterConfig, runner: web.AppRunner, metrics_port: int | None) -> str:
@@ -101,9 +120,8 @@ async def serve(config: HttpAdapterConfig) -> None:
         log.info("%s listening on http://%s -> %s", SERVICE, address, config.orchestrator)
         await stop.wait()
         log.info("%s draining (grace %.1fs)", SERVICE, config.grace_period_s)
-        state.draining = True
     finally:
-        await runner.cleanup()
+        await drain(runner, state, config.grace_period_s)
         await upstream.close()
         if metrics is not None:
             metrics.shutdown()

@@ -12,7 +12,8 @@
 tree that gives the gRPC code) and ``{"error": message}``, an aiohttp HTTP
 error (unknown route, wrong method) with its own status, anything else with
 500 and a generic message while the traceback goes to the log. Under
-``/v1/`` and vLLM's paths the same statuses carry OpenAI's error body.
+``/v1/`` and vLLM's paths the same statuses carry OpenAI's error body. A 429
+(RESOURCE_EXHAUSTED: a full queue) carries ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from shared.tracing import extract_context
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+RETRY_AFTER_S = 1
+"""Seconds a 429 asks the client to wait: a full queue drains in about a batch's time."""
 
 HEALTH_PREFIX = "/v2/health/"
 """Paths the drain gate lets through: readiness must be able to say "draining"."""
@@ -103,7 +107,10 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except MeshError as exc:
-        return _answer(request, exc.http_status, exc.message, exc)
+        answer = _answer(request, exc.http_status, exc.message, exc)
+        if exc.http_status == 429:
+            answer.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return answer
     except web.HTTPException as exc:
         return _answer(request, exc.status, _http_message(request, exc))
     except Exception:

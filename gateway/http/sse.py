@@ -8,20 +8,24 @@ error after the status line has gone out (as an event: HTTP has no other
 way left). The route awaits the first message before calling ``respond``, so
 errors found up front keep their own HTTP status. A client that goes away
 ends the pump quietly; the route's ``aclosing`` then cancels the gRPC call.
+An adapter that shuts down with streams still open cuts them (``Streams``):
+each ends with an error event and no trailer, so a client can tell a cut
+answer from a finished one.
 
 Nothing here knows gRPC: messages are whatever the route's source reads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
 
-from shared.errors import MeshError
+from shared.errors import MeshError, Unavailable
 
 M_contra = TypeVar("M_contra", contravariant=True)
 
@@ -58,6 +62,40 @@ class EventSource(Protocol[M_contra]):
         ...
 
 
+class Streams:
+    """The SSE answers being pumped, so that shutdown can end each with an error event."""
+
+    def __init__(self) -> None:
+        self._open: set[asyncio.Timeout] = set()
+        self.cut_reason = ""
+        """Why the streams were cut; empty until they are."""
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    @contextlib.contextmanager
+    def holding(self, limit: asyncio.Timeout) -> Iterator[None]:
+        """Count one pump, whose ``limit`` a cut makes expire now."""
+        self._open.add(limit)
+        if self.cut_reason:
+            limit.reschedule(asyncio.get_running_loop().time())
+        try:
+            yield
+        finally:
+            self._open.discard(limit)
+
+    def cut(self, reason: str) -> None:
+        """End every open stream, and any opened from now on, with ``reason`` as an error."""
+        self.cut_reason = reason
+        now = asyncio.get_running_loop().time()
+        for limit in self._open:
+            limit.reschedule(now)
+
+
+STREAMS = web.AppKey("sse_streams", Streams)
+"""The app's ``Streams`` (an app without one pumps uncuttable streams)."""
+
+
 async def respond(
     request: web.Request,
     source: EventSource[M_contra],
@@ -70,10 +108,22 @@ async def respond(
         headers={"Content-Type": content_type, "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
+    streams = request.app.get(STREAMS)
+    if streams is None:  # not `or`: a Streams with none open is falsy
+        streams = Streams()
     # A write fails once the client has closed the connection; returning then
     # lets the caller close ``rest``, which cancels the call behind it.
     with contextlib.suppress(ConnectionResetError):
-        await _pump(response, source, first, rest)
+        try:
+            async with asyncio.timeout(None) as limit:
+                with streams.holding(limit):
+                    await _pump(response, source, first, rest)
+        except TimeoutError:
+            if not limit.expired():
+                raise
+            # Cut short: the error, and no trailer, which would read as a finished answer.
+            await response.write(event(source.failed(Unavailable(streams.cut_reason))))
+            await response.write_eof()
     return response
 
 

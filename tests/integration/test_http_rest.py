@@ -23,6 +23,7 @@ from opentelemetry import trace
 
 from gateway.http import rest
 from gateway.http.app import AdapterState, build_app
+from gateway.http.main import CUT_REASON, drain
 from gateway.http.upstream import Upstream
 from services.inference.python import PythonBackend
 from shared.server import MeshServer
@@ -84,6 +85,25 @@ class TritonPythonModel:
 """
 
 
+# One request at a time and one more queued (the max_queue_size parameter):
+# the rest are refused at once, 429 with Retry-After.
+BUSY_CONFIG = """
+name: "busy"
+backend: "python"
+max_batch_size: 0
+input [ { name: "MS" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "MS_OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+parameters { key: "max_queue_size" value { string_value: "1" } }
+"""
+
+# Like gen, but a word every 0.2 s: a stream still open when the adapter stops.
+DRIP_MODEL = GEN_MODEL.replace("import json", "import json\nimport time").replace(
+    "            for index, word in enumerate(words[:limit]):\n",
+    "            for index, word in enumerate(words[:limit]):\n                time.sleep(0.2)\n",
+)
+
+
 class Adapter:
     """The adapter app on a test server, over a stage on 127.0.0.1:0, in one loop."""
 
@@ -128,6 +148,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., A
     (repo / "gen" / "1").mkdir(parents=True)
     (repo / "gen" / "config.pbtxt").write_text(GEN_CONFIG)
     (repo / "gen" / "1" / "model.py").write_text(GEN_MODEL)
+    shutil.copytree(DATA / "models" / "slow", repo / "busy")
+    (repo / "busy" / "config.pbtxt").write_text(BUSY_CONFIG)
+    (repo / "drip" / "1").mkdir(parents=True)
+    (repo / "drip" / "config.pbtxt").write_text(GEN_CONFIG.replace('"gen"', '"drip"'))
+    (repo / "drip" / "1" / "model.py").write_text(DRIP_MODEL)
     with asyncio.Runner() as runner:
         adapter = Adapter(repo)
         runner.run(adapter.start())
@@ -354,5 +379,62 @@ def test_generate_errors_up_front_keep_their_status_later_ones_are_events(
         events = sse_events(answer)
         assert events[0]["text_output"] == " fail"
         assert events[-1] == {"error": "the engine failed midway"}
+
+    served(scenario)
+
+
+# --- bounds and shutdown ---------------------------------------------------------------
+
+
+def test_a_full_queue_answers_429_with_retry_after(served: Callable[..., Any]) -> None:
+    async def scenario(adapter: Adapter) -> None:
+        body = {"inputs": [{"name": "MS", "shape": [1], "datatype": "INT32", "data": [300]}]}
+        answers = await asyncio.gather(
+            *(adapter.call("POST", "/v2/models/busy/infer", body) for _ in range(6))
+        )
+        statuses = sorted(status for status, _, _ in answers)
+        assert statuses.count(200) >= 2 and statuses.count(429) >= 1, statuses
+        assert set(statuses) == {200, 429}, statuses
+        for status, headers, answer in answers:
+            if status == 429:
+                assert headers["Retry-After"] == "1"
+                assert "max_queue_size" in json.loads(answer)["error"]
+
+    served(scenario)
+
+
+def test_a_stream_cut_by_shutdown_ends_with_an_error_event(served: Callable[..., Any]) -> None:
+    async def scenario(adapter: Adapter) -> None:
+        # An adapter of its own over the same stage, so that stopping it spares the others.
+        tracer = trace.NoOpTracer()
+        upstream = Upstream(
+            adapter.stage.address,
+            channels=1,
+            max_message_bytes=1 << 24,
+            timeout_s=30,
+            tracer=tracer,
+        )
+        state = AdapterState(upstream, tracer, MAX_BODY)
+        server = TestServer(build_app(state))
+        await server.start_server(auto_decompress=False, shutdown_timeout=0.5)
+        client = TestClient(server)
+        await client.start_server()
+        words = " ".join(f"w{i}" for i in range(15))  # 3 s of words: longer than the grace
+        body = {"text_input": words, "parameters": {"max_tokens": 15}}
+        try:
+            async with client.post("/v2/models/drip/generate_stream", json=body) as response:
+                assert response.status == 200
+                first = await response.content.readuntil(b"\n\n")
+                assert json.loads(first[6:])["text_output"] == " w0"
+                draining = asyncio.create_task(drain(server.runner, state, 0.5))
+                rest = await response.content.read()
+                await draining
+        finally:
+            await client.close()
+            await upstream.close()
+        events = sse_events(first + rest)
+        assert events[-1] == {"error": CUT_REASON}, events
+        assert all("error" not in e for e in events[:-1]), events
+        assert "finish_reason" not in events[-2], events  # it did not end on its own
 
     served(scenario)
