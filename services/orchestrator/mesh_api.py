@@ -32,7 +32,7 @@ from services.orchestrator.tokenization import (
     text_steps,
 )
 from shared.errors import InvalidArgument, MeshError, NotFound
-from shared.tensors import DATATYPES, decode_outputs, encode_inputs
+from shared.tensors import DATATYPES, decode_outputs, element_count, encode_inputs
 
 DEFAULT_CLASSIFIER = "image_classifier"
 DEFAULT_EMBEDDER = "text_embedding"
@@ -71,7 +71,9 @@ def tensor_to_array(tensor: api.Tensor) -> np.ndarray:
     if dtype is None:
         raise InvalidArgument(f"tensor '{tensor.name}': unknown datatype '{tensor.datatype}'")
     flat = _flatten(tensor.data)
-    count = int(np.prod(tensor.shape)) if tensor.shape else 1
+    # Python ints, and negative dimensions refused: numpy's product overflows and
+    # reshape fails on them, which would end as INTERNAL.
+    count = element_count(f"tensor '{tensor.name}'", tensor.shape)
     if len(flat) != count:
         raise InvalidArgument(
             f"tensor '{tensor.name}': shape {list(tensor.shape)} needs "

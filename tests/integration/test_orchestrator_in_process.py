@@ -253,6 +253,13 @@ def test_errors_speak_tritons_words_and_name_the_tensor(repo: Path) -> None:
         in_stream = mesh.v2.ModelStreamInfer(iter([infer_request("ghost")]))
         (message,) = [m async for m in in_stream]
         assert "Request for unknown model: 'ghost'" in message.error_message
+        # A JSON tensor whose negative dims multiply to its element count (found by the fuzzer).
+        negative = api.Tensor(name="A", datatype="FP32", shape=[-2, -2])
+        negative.data.extend([1.0] * 4)
+        call = mesh.api.Infer(api.InferRequest(model="diamond", inputs=[negative]))
+        shaped = await status_of(call)
+        assert shaped.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "tensor 'A': shape [-2, -2] has a negative dimension" in (shaped.details() or "")
 
     in_mesh(repo, scenario)
 
