@@ -178,12 +178,19 @@ class TensorInstance(abc.ABC):
         """Release resources (default: nothing)."""
 
     def execute(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
-        """Concatenate along dim 0, run once, split the outputs back per request."""
+        """Concatenate along dim 0, run once, split the outputs back per request.
+
+        When one request's data fails the merged run (``run`` raised
+        InvalidArgument), each request runs alone, so only its caller gets the error.
+        """
         if len(requests) == 1 or not self.batched:
             return [self._one(request) for request in requests]
         names = list(requests[0].inputs)
         merged = {name: np.concatenate([r.inputs[name] for r in requests]) for name in names}
-        outputs = self.run(merged)
+        try:
+            outputs = self.run(merged)
+        except InvalidArgument:
+            return [self._one(request) for request in requests]
         rows = np.cumsum([r.batch_size(True) for r in requests])[:-1]
         pieces = {name: np.split(array, rows) for name, array in outputs.items()}
         return [

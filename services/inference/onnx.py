@@ -18,7 +18,6 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
 from shared.backend import InstanceSpec, ModelSpec, TensorInstance
 from shared.errors import ConfigError, InvalidArgument
-from shared.request import InferRequest, InferResponse
 
 log = logging.getLogger(__name__)
 
@@ -91,16 +90,6 @@ class OnnxInstance(TensorInstance):
                 raise  # the model's or the runtime's fault: INTERNAL, traceback logged
             raise self._refused(text, inputs) from None
         return dict(zip(self.output_names, values, strict=True))
-
-    def execute(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
-        """Run the batch; when one request's data fails the merged run, each runs
-        alone so that only its own caller gets the error."""
-        try:
-            return super().execute(requests)
-        except InvalidArgument:
-            if len(requests) == 1:
-                raise
-            return [self._one(request) for request in requests]
 
     def _refused(self, text: str, inputs: dict[str, np.ndarray]) -> InvalidArgument:
         """The caller's error for a run ORT refused on the request's data."""

@@ -22,7 +22,6 @@ import torch
 from inference import model_config_pb2 as mc
 from shared.backend import InstanceSpec, ModelSpec, TensorInstance, parameter
 from shared.errors import ConfigError, InvalidArgument
-from shared.request import InferRequest, InferResponse
 from shared.tensors import DATATYPES, config_datatype
 
 log = logging.getLogger(__name__)
@@ -129,16 +128,6 @@ class PyTorchInstance(TensorInstance):
                 raise  # the model's fault: INTERNAL, traceback logged
             raise self._refused(exc) from None
         return self._outputs(result)
-
-    def execute(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
-        """Run the batch; when one request's data fails the merged run, each runs
-        alone so that only its own caller gets the error."""
-        try:
-            return super().execute(requests)
-        except InvalidArgument:
-            if len(requests) == 1:
-                raise
-            return [self._one(request) for request in requests]
 
     def _refused(self, exc: Exception) -> InvalidArgument:
         """The caller's error for a forward that failed on the request's values."""
