@@ -113,6 +113,14 @@ parameters {{
   key: "max_waiting"
   value: {{ string_value: "64" }}
 }}
+parameters {{
+  key: "max_tokens_cap"
+  value: {{ string_value: "1536" }}
+}}
+parameters {{
+  key: "max_generation_s"
+  value: {{ string_value: "120" }}
+}}
 """
 
 TOKENIZER_CONFIG = f"""\

@@ -4,9 +4,11 @@ Token ids in, token ids out: tokenizing and detokenizing are stages of their
 own. One request, one line per step::
 
     validate   INPUT_IDS non-empty, in the vocabulary, shorter than max_model_len;
-               SAMPLING (JSON) field by field, each error naming its field
+               SAMPLING (JSON) field by field, each error naming its field;
+               max_tokens at most max_tokens_cap (the cap when the request has none)
     admit      at most max_num_seqs + max_waiting requests at once, else RESOURCE_EXHAUSTED
-    generate   AsyncLLM.generate, DELTA outputs, no detokenization in the engine
+    generate   AsyncLLM.generate, DELTA outputs, no detokenization in the engine;
+               aborted at max_generation_s, the last response then says "length"
     respond    one response per engine output, the last one final
     abort      closing or cancelling the stream aborts the request inside the engine
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -60,6 +63,7 @@ from shared.request import InferRequest, InferResponse
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.outputs import RequestOutput
     from vllm.v1.engine.async_llm import AsyncLLM
 
 log = logging.getLogger(__name__)
@@ -324,7 +328,10 @@ class VllmInstance:
         if engine is None or engine.errored:
             raise Unavailable(f"{self.where}: the vLLM engine is not running")
         prompt = self._prompt(request)
-        params = self._sampling(request).params(f"{self.where}: {SAMPLING}")
+        where = f"{self.where}: {SAMPLING}"
+        sampling = self._sampling(request)
+        max_tokens = self.settings.max_tokens(sampling, len(prompt), where)
+        params = dataclasses.replace(sampling, max_tokens=max_tokens).params(where)
         self._admit()
         request_id = f"{request.id or 'request'}-{uuid.uuid4().hex}"
         timer = _RequestTimer(self._series)
@@ -332,8 +339,15 @@ class VllmInstance:
         finish = "abort"
         try:
             outputs = engine.generate({"prompt_token_ids": prompt}, params, request_id)
-            async with contextlib.aclosing(outputs):
-                async for output in outputs:
+            steps = _until(outputs, self._generation_deadline())
+            async with contextlib.aclosing(outputs), contextlib.aclosing(steps):
+                async for output in steps:
+                    if output is None:  # out of time: the engine stops, the answer is cut
+                        await engine.abort(request_id)
+                        finish = "length"
+                        log.info("%s: %s ran past max_generation_s", self.where, request_id)
+                        yield _response(generated, 0, finish, len(prompt))
+                        return
                     completion = output.outputs[0]
                     new = list(completion.token_ids)
                     if not new and not output.finished:
@@ -353,6 +367,11 @@ class VllmInstance:
         finally:
             self._active -= 1
             timer.done(finish or "abort")
+
+    def _generation_deadline(self) -> float | None:
+        """The loop time by which a generation starting now must end (None: never)."""
+        cap = self.settings.max_generation_s
+        return asyncio.get_running_loop().time() + cap if cap else None
 
     def _prompt(self, request: InferRequest) -> list[int]:
         ids = request.inputs[INPUT_IDS].reshape(-1)
@@ -421,6 +440,27 @@ class VllmInstance:
             return lambda: float(self._scheduler[index]) if unfinished() else 0.0
 
         return (scheduler(0), scheduler(1), unfinished, scheduler(2))
+
+
+async def _until(
+    outputs: AsyncGenerator[RequestOutput, None], deadline: float | None
+) -> AsyncGenerator[RequestOutput | None, None]:
+    """The engine's outputs until ``deadline`` (loop time), then one None.
+
+    The timeout covers each wait for the engine, never the caller's time
+    between outputs: a timeout held across a ``yield`` would fire in the
+    consumer's code.
+    """
+    while True:
+        try:
+            async with asyncio.timeout_at(deadline):
+                output = await anext(outputs)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            yield None
+            return
+        yield output
 
 
 def _response(generated: list[int], new: int, finish: str, prompt_tokens: int) -> InferResponse:

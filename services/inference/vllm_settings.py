@@ -51,6 +51,12 @@ class EngineSettings:
     """Devices one engine shards the model over; 1..64."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes (system prompts, chat history)."""
+    max_tokens_cap: int = 0
+    """Most tokens one request may generate: a request without max_tokens gets it,
+    one asking for more is refused naming max_tokens; 0: max_model_len; 0..1048576."""
+    max_generation_s: float = 300.0
+    """Longest a generation may run; past it the engine aborts it and the last
+    response says finish reason "length"; 0: no cap; 0..86400."""
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> EngineSettings:
@@ -62,6 +68,8 @@ class EngineSettings:
             "gpu_memory_utilization": (0.05, 1.0),
             "kv_cache_space_gib": (0.0, 4096.0),
             "tensor_parallel_size": (1, 64),
+            "max_tokens_cap": (0, 1 << 20),
+            "max_generation_s": (0.0, 86400.0),
         }
         settings = parameter_settings(cls, spec, bounds)
         if settings.dtype not in get_args(DType):
@@ -69,6 +77,17 @@ class EngineSettings:
                 f"model '{spec.name}': parameter 'dtype' must be auto, bfloat16, float16 or float32"
             )
         return settings
+
+    def max_tokens(self, sampling: Sampling, prompt_tokens: int, where: str) -> int:
+        """The tokens a request may generate: its own max_tokens within the cap, the cap
+        when it names none; both within what max_model_len leaves after the prompt."""
+        cap = self.max_tokens_cap or self.max_model_len
+        asked = sampling.max_tokens
+        if asked is not None and asked > cap:
+            raise InvalidArgument(
+                f"{where}.max_tokens {asked} exceeds this model's max_tokens_cap {cap}"
+            )
+        return min(asked or cap, self.max_model_len - prompt_tokens)
 
     def engine_args(self, spec: ModelSpec) -> AsyncEngineArgs:
         """vLLM's engine arguments for the model in ``spec.path``."""

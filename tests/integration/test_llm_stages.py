@@ -285,6 +285,8 @@ def test_vllm_own_metric_names_are_served_for_its_dashboards(
 
 BAD_REQUESTS = [
     ("bad-max-tokens", {"max_tokens": -5}, "max_tokens"),
+    # Over the config's max_tokens_cap (models/smollm2.py): refused, not run for minutes.
+    ("over-cap-max-tokens", {"max_tokens": 1537}, "max_tokens_cap"),
     ("bad-temperature", {"temperature": -0.5}, "temperature"),
     ("bad-json", b'{"max_tokens": 8', "SAMPLING"),
     ("bad-field", {"max_token": 8}, "max_token"),
