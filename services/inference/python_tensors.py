@@ -7,14 +7,23 @@ Triton's own module does.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from shared.tensors import CONFIG_TO_V2, DATATYPES, deserialize_bytes, serialize_bytes
 
-if TYPE_CHECKING:
-    from services.inference.python_utils import InferenceRequest, InferenceResponse
+
+class _HasInputs(Protocol):
+    """A request (``python_utils.InferenceRequest``), as far as lookups need it."""
+
+    def inputs(self) -> list[Tensor]: ...
+
+
+class _HasOutputs(Protocol):
+    """A response (``python_utils.InferenceResponse``), as far as lookups need it."""
+
+    def output_tensors(self) -> list[Tensor]: ...
 
 
 class Tensor:
@@ -56,12 +65,12 @@ class Tensor:
         return Tensor(name, torch.utils.dlpack.from_dlpack(capsule).numpy())
 
 
-def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:
+def get_input_tensor_by_name(request: _HasInputs, name: str) -> Tensor | None:
     """The input called ``name``, or None."""
     return next((t for t in request.inputs() if t.name() == name), None)
 
 
-def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor | None:
+def get_output_tensor_by_name(response: _HasOutputs, name: str) -> Tensor | None:
     """The output called ``name``, or None."""
     return next((t for t in response.output_tensors() if t.name() == name), None)
 
