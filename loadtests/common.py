@@ -187,7 +187,7 @@ def running_mesh(
         folder = Path(tmp)
         log_path = folder / "mesh.log"
         config = mesh_config(overrides or {}, folder)
-        proc = _start_supervisor(repository, config, log_path, ready_timeout_s)
+        proc = start_supervisor(repository, config, log_path, ready_timeout_s)
         started: dict[int, int | None] = {}
         try:
             info = _wait_ready(proc, ready_timeout_s, log_path)
@@ -197,7 +197,7 @@ def running_mesh(
             _stop_mesh(proc, started)
 
 
-def _start_supervisor(
+def start_supervisor(
     repository: Path, config: Path, log_path: Path, ready_timeout_s: float
 ) -> subprocess.Popen[str]:
     """``python -m deploy.local.supervisor`` with free ports; its log goes to ``log_path``.

@@ -54,6 +54,7 @@ from common import (
     format_table,
     install_sigterm_exit,
     missing_models,
+    start_supervisor,
 )
 
 from inference import grpc_service_pb2 as pb
@@ -63,6 +64,8 @@ from shared.tensors import encode_inputs
 MODELS = ["text_embedding", "image_classifier", "llm"]
 STAGES = ["inference", "tokenizer", "preprocess", "postprocess"]
 RECOVERY_LIMIT_S = 10.0
+READY_TIMEOUT_S = 300.0
+"""How long the default mesh (with vLLM) may take to become ready."""
 
 
 # -- the mesh ------------------------------------------------------------------
@@ -78,18 +81,7 @@ def mesh(repository: Path, replicas: int) -> Iterator[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="meshserve-reliability-") as tmp:
         config, log_path = Path(tmp) / "mesh.yaml", Path(tmp) / "mesh.log"
         config.write_text(yaml.safe_dump(document, sort_keys=False))
-        command = [sys.executable, "-m", "deploy.local.supervisor", "--ports", "auto"]
-        command += ["--model-repository", str(repository.expanduser()), "--config", str(config)]
-        with log_path.open("w") as log:
-            proc = subprocess.Popen(
-                command,
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                start_new_session=True,
-            )
+        proc = start_supervisor(repository, config, log_path, READY_TIMEOUT_S)
         try:
             yield _ready(proc, log_path)
         finally:
@@ -106,7 +98,7 @@ def mesh(repository: Path, replicas: int) -> Iterator[dict[str, Any]]:
 
 def _ready(proc: subprocess.Popen[str], log_path: Path) -> dict[str, Any]:
     assert proc.stdout is not None
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline and proc.poll() is None:
         line = proc.stdout.readline()
         if line.startswith(MESH_READY_MARKER):
