@@ -10,7 +10,7 @@ error and the HTTP and gRPC answers come from the same tree.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterator
 from typing import TypeVar
 
 import grpc
@@ -36,7 +36,7 @@ def failure(exc: grpc.aio.AioRpcError, where: str = "") -> MeshError:
     return error_for_status(code, f"{where}{details}")
 
 
-async def remote_stream(messages: AsyncIterator[T], where: str = "") -> AsyncIterator[T]:
+async def remote_stream(messages: AsyncIterable[T], where: str = "") -> AsyncIterator[T]:
     """The messages of a streaming call; a failure raises its MeshError."""
     with remote(where):
         async for message in messages:

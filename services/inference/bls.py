@@ -100,7 +100,7 @@ class ModelCaller:
             with remote():
                 await call.write(message)
                 await call.done_writing()
-            async for answer in until_final(remote_stream(_messages(call))):
+            async for answer in until_final(remote_stream(call)):
                 yield InferResponse(outputs=decode_outputs(answer), final=is_final(answer))
         finally:
             call.cancel()
@@ -182,8 +182,3 @@ def _to_proto(request: InferRequest) -> pb.ModelInferRequest:
     for key, value in request.parameters.items():
         set_parameter(message.parameters, key, value)
     return message
-
-
-async def _messages(call: Any) -> AsyncIterator[pb.ModelStreamInferResponse]:
-    async for message in call:
-        yield message

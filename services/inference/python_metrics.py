@@ -80,7 +80,9 @@ class CustomMetrics:
             self._families[name] = created
             return created
 
-    def update(self, family: _Family, key: tuple[tuple[str, str], ...], how: str, value: float):  # type: ignore[no-untyped-def]
+    def update(
+        self, family: _Family, key: tuple[tuple[str, str], ...], how: str, value: float
+    ) -> None:
         """Apply one change (``add``, ``set`` or ``observe``) to a series."""
         with self._lock:
             series = family.series.setdefault(key, _new_series(family))

@@ -423,7 +423,9 @@ class ResponseIterator:
         self._future = caller.submit(self._pump(caller, request, timeout_s))
         self._done = False
 
-    async def _pump(self, caller: ModelCaller, request: InferRequest, timeout_s: float | None):  # type: ignore[no-untyped-def]
+    async def _pump(
+        self, caller: ModelCaller, request: InferRequest, timeout_s: float | None
+    ) -> None:
         try:
             async for response in caller.stream(request, timeout_s):
                 self._queue.put(InferenceResponse.from_domain(response))
