@@ -75,6 +75,40 @@ ensemble_scheduling { step [
 ] }
 """
 
+# bls_decoupled_sync's contract, but its target is the ensemble above: a decoupled
+# model on no stage, so the BLS stream goes through the orchestrator.
+BLS_SQUARES_CONFIG = """
+name: "bls_squares"
+backend: "python"
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "SUM" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+BLS_SQUARES = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            count = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            call = pb_utils.InferenceRequest(
+                model_name="squares",
+                inputs=[pb_utils.Tensor("COUNT", count)],
+                requested_output_names=["SQUARE"],
+            )
+            total = np.array([0], np.int32)
+            for answer in call.exec(decoupled=True):
+                if answer.has_error():
+                    raise pb_utils.TritonModelException(answer.error().message())
+                if answer.output_tensors():
+                    total += pb_utils.get_output_tensor_by_name(answer, "SQUARE").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("SUM", total)]))
+        return responses
+"""
+
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
@@ -85,6 +119,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     (repository / "twice" / "config.pbtxt").write_text(TWICE)
     (repository / "squares").mkdir()
     (repository / "squares" / "config.pbtxt").write_text(SQUARES)
+    (repository / "bls_squares" / "1").mkdir(parents=True)
+    (repository / "bls_squares" / "config.pbtxt").write_text(BLS_SQUARES_CONFIG)
+    (repository / "bls_squares" / "1" / "model.py").write_text(BLS_SQUARES)
     config = folder / "mesh.yaml"
     config.write_text(MESH)
     proc, info = start_mesh(repository, config, ["--grace-s", "5"])
@@ -180,3 +217,17 @@ def test_a_decoupled_python_model_streams_through_an_ensemble(mesh: dict[str, An
     channel.close()
     assert answers["0"] == [([3], False), ([3], False), ([3], False), ([], True)]
     assert answers["1"] == [([], True)]
+
+
+def test_a_decoupled_bls_call_to_an_ensemble_streams_through_the_orchestrator(
+    mesh: dict[str, Any],
+) -> None:
+    channel = grpc.insecure_channel(mesh["orchestrator"])
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+    sums = []
+    for count in (4, 0, 3):
+        request = pb.ModelInferRequest(model_name="bls_squares")
+        encode_inputs(request, {"IN": np.array([count], np.int32)})
+        sums.append(int(decode_outputs(stub.ModelInfer(request, timeout=60))["SUM"][0]))
+    channel.close()
+    assert sums == [16, 0, 9]
