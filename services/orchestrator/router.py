@@ -35,7 +35,7 @@ from inference import grpc_service_pb2_grpc as pb_grpc
 from inference import model_config_pb2 as mc
 from services.orchestrator.stage_stream import StageStream
 from shared.channels import open_channels
-from shared.errors import InvalidArgument, MeshError, NotFound, Unavailable
+from shared.errors import Cancelled, InvalidArgument, MeshError, NotFound, Unavailable
 from shared.rpc import remote
 
 if TYPE_CHECKING:
@@ -290,10 +290,12 @@ class StageRouter:
 
     async def call(self, model: str, invoke: StageCall[T], *, retry: bool = True) -> T:
         """Run ``invoke`` on a replica of ``model``; one retry on another replica
-        when the first cannot be reached (Unavailable: the request is not at fault)."""
+        when the first cannot be reached (Unavailable: the request is not at fault)
+        or cancelled the call itself (CANCELLED from a stage: it stopped with the
+        call in flight; the caller's own going away is asyncio's CancelledError)."""
         tried: set[int] = set()
         attempts = 2 if retry else 1
-        last: Unavailable | None = None
+        last: Unavailable | Cancelled | None = None
         for _ in range(attempts):
             try:
                 endpoint = self._pick(model, tried)
@@ -306,7 +308,7 @@ class StageRouter:
             try:
                 with remote():
                     return await invoke(endpoint.stub())
-            except Unavailable as exc:
+            except (Unavailable, Cancelled) as exc:
                 last = exc
                 log.warning("%s failed a call for '%s': %s", endpoint.describe(), model, exc)
                 endpoint.ready = False
