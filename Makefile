@@ -10,7 +10,12 @@ KSERVE_PY := .venv-kserve/bin/python
 KSERVE_STAMP := .venv-kserve/.installed
 MESH   ?= deploy/local/mesh.yaml
 
-.PHONY: install models protos lint test test-fast run clean bench bench-llm gpu-check kserve-client
+.PHONY: install models protos lint test test-fast run clean bench bench-llm gpu-check kserve-client system-packages
+
+# Debian packages of the real servers and tools the tests drive. `make test`
+# installs the missing ones where apt-get runs as root; elsewhere it names
+# them, and the tests that need one skip with a message that says so.
+DEBIAN_PACKAGES :=
 
 # vLLM: the CUDA build where a GPU driver is present, else the CPU build.
 LLM_EXTRA := $(if $(shell command -v nvidia-smi 2>/dev/null),llm-cuda,llm-cpu)
@@ -45,6 +50,14 @@ $(KSERVE_STAMP): Makefile
 
 kserve-client: $(KSERVE_STAMP)
 
+system-packages:
+	@missing=""; for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		echo "installing Debian packages:$$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	else echo "not installed (tests that need them skip):$$missing; install with: sudo apt-get install$$missing"; fi
+
 install: $(STAMP)
 
 models: $(STAMP)
@@ -60,7 +73,7 @@ lint: $(STAMP) $(BUF)
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
-test: lint models $(NODE_DEPS) $(KSERVE_STAMP)
+test: lint models system-packages $(NODE_DEPS) $(KSERVE_STAMP)
 	MESHSERVE_CACHE=$(CACHE) $(PY) -m pytest -q -p no:cacheprovider --durations=15
 
 test-fast: $(STAMP)
