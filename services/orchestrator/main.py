@@ -14,9 +14,10 @@ from pathlib import Path
 from pydantic import Field
 
 from services.orchestrator.core import Orchestrator
+from services.orchestrator.discovery import Resolver
 from services.orchestrator.ensembles import EnsembleRegistry
 from services.orchestrator.mesh_api import MESH_SERVICE_NAME, MeshApiServicer, add_mesh_api
-from services.orchestrator.router import StageAddress, StageRouter
+from services.orchestrator.router import Discovery, StageAddress, StageRouter
 from services.orchestrator.servicer import OrchestratorServicer
 from shared.config import ServiceConfig, load_config
 from shared.launch import run_service
@@ -35,7 +36,16 @@ class OrchestratorConfig(ServiceConfig):
     metrics_port: int = Field(8002, ge=-1, le=65535)
     """Prometheus /metrics port; 0 picks a free one, -1 turns it off."""
     stages: list[str] = Field(default_factory=list)
-    """Stage endpoints as name=host:port (repeat the flag; one entry per replica)."""
+    """Stage endpoints as name=host:port (repeat the flag); a host that is a name
+    stands for every address it resolves to (docs/discovery.md)."""
+    hosts_file: Path | None = None
+    """A hosts file (ADDRESS NAME per line) read before DNS; every line of a name
+    counts, so one name can list several replicas."""
+    resolve_interval_s: float = Field(5.0, ge=0.1, le=3600.0)
+    """How often stage hosts are resolved again (new replicas join, vanished ones go)."""
+    retire_grace_s: float = Field(5.0, ge=0.0, le=600.0)
+    """How long calls in flight on a vanished replica may run before they are
+    cut and retried on another one."""
     model_repository: Path | None = None
     """Repository holding the ensembles (the same folder the stages read)."""
     channels_per_stage: int = Field(4, ge=1, le=64)
@@ -61,6 +71,9 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
         tracer=tracer,
         refresh_interval_s=config.refresh_interval_s,
         spare_streams=config.spare_streams,
+        discovery=Discovery(
+            Resolver(config.hosts_file), config.resolve_interval_s, config.retire_grace_s
+        ),
     )
     repository = ModelRepository(config.model_repository) if config.model_repository else None
     ensembles = EnsembleRegistry(repository, router.model_config, Metrics(parts.registry))

@@ -11,7 +11,12 @@ answers UNAVAILABLE with that error instead of "unknown model". A call goes to
 the ready replica with the fewest calls in flight; when a replica cannot be
 reached the call is retried once on another replica (model inference here is
 idempotent), and the replica is marked unready until the next refresh finds it
-again. Every stage call runs inside ``shared.rpc.remote``, so what fails here
+again. Each endpoint's host is resolved to all of its addresses
+(services/orchestrator/discovery.py: every A record of a headless Service, or
+every line of a hosts file) and re-resolved periodically: a new address becomes
+a replica without a restart; one that vanished is retired: no new calls, its
+calls in flight get a grace to finish, then are cut and retried elsewhere.
+Every stage call runs inside ``shared.rpc.remote``, so what fails here
 is a ``shared.errors`` class: a replica that cannot be reached is
 ``Unavailable``. Streams to a replica come from its ``StageStream`` spares when
 one waits (services/orchestrator/stage_stream.py).
@@ -25,7 +30,7 @@ import itertools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import grpc
 from opentelemetry import trace
@@ -33,6 +38,7 @@ from opentelemetry import trace
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from inference import model_config_pb2 as mc
+from services.orchestrator.discovery import Resolver, is_address, split_target
 from services.orchestrator.stage_stream import StageStream
 from shared.channels import open_channels
 from shared.errors import Cancelled, InvalidArgument, MeshError, NotFound, Unavailable
@@ -92,6 +98,12 @@ class Endpoint:
     spares: collections.deque[StageStream] = field(default_factory=collections.deque)
     streamed: bool = False
     """Whether a stream was ever asked of this replica: only then are spares kept."""
+    origin: StageAddress | None = None
+    """The configured endpoint this replica was resolved from (None: it is that one)."""
+    calls: set[asyncio.Task[Any]] = field(default_factory=set)
+    """Tasks with a unary call in flight here (cut when the replica is retired)."""
+    abandoned: bool = False
+    """Retired and its calls cut: a call cancelled here is retried elsewhere."""
     _next: itertools.cycle[int] = field(default_factory=lambda: itertools.cycle([0]))
     _refill: asyncio.TimerHandle | None = None
 
@@ -139,6 +151,12 @@ class Endpoint:
         self._refill = None
         self.fill_spares()
 
+    def abandon(self) -> None:
+        """Cut every unary call still in flight (the replica was retired)."""
+        self.abandoned = True
+        for task in self.calls:
+            task.cancel()
+
     def describe(self) -> str:
         """``stage 'name' (host:port)`` for error messages."""
         return f"stage '{self.address.stage}' ({self.address.target})"
@@ -156,6 +174,17 @@ def open_endpoint(
     return endpoint
 
 
+@dataclass(frozen=True)
+class Discovery:
+    """How the router finds replicas: the resolver and its timing."""
+
+    resolver: Resolver = field(default_factory=Resolver)
+    resolve_interval_s: float = 5.0
+    """How often each endpoint's host is resolved again."""
+    retire_grace_s: float = 5.0
+    """How long a vanished replica's calls in flight may still run."""
+
+
 class StageRouter:
     """Knows every replica of every stage and which models each serves."""
 
@@ -168,6 +197,7 @@ class StageRouter:
         tracer: trace.Tracer,
         refresh_interval_s: float,
         spare_streams: int = 0,
+        discovery: Discovery | None = None,
     ) -> None:
         self.addresses = list(addresses)
         self._spare_streams = spare_streams
@@ -175,27 +205,96 @@ class StageRouter:
         # Channels are opened in start(): grpc.aio binds them to the running loop.
         self.endpoints: list[Endpoint] = []
         self.refresh_interval_s = refresh_interval_s
-        self._task: asyncio.Task[None] | None = None
+        self.discovery = discovery or Discovery()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._retiring: set[asyncio.Task[None]] = set()
         self.on_change: Callable[[], Awaitable[None]] | None = None
 
     async def start(self) -> None:
-        """Connect, discover once, then keep refreshing in an owned background task."""
-        self.endpoints = [open_endpoint(a, *self._channel_settings) for a in self.addresses]
-        for endpoint in self.endpoints:
-            endpoint.spare_count = self._spare_streams
+        """Resolve, connect, discover once, then keep re-resolving and refreshing
+        in owned background tasks."""
+        await self.resolve(initial=True)
         await self.refresh()
-        self._task = asyncio.create_task(self._refresh_loop(), name="stage-discovery")
+        self._tasks = [asyncio.create_task(self._refresh_loop(), name="stage-discovery")]
+        if any(not is_address(split_target(a.target)[0]) for a in self.addresses):
+            loop = self._resolve_loop()
+            self._tasks.append(asyncio.create_task(loop, name="stage-resolution"))
 
     async def stop(self) -> None:
         """Stop refreshing and close every channel."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in [*self._tasks, *self._retiring]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._retiring, return_exceptions=True)
         for endpoint in self.endpoints:
             endpoint.ready = False
             endpoint.close_spares()
             for channel in endpoint.channels:
                 await channel.close()
+
+    def _open(self, address: StageAddress, origin: StageAddress | None) -> Endpoint:
+        endpoint = open_endpoint(address, *self._channel_settings)
+        endpoint.spare_count = self._spare_streams
+        endpoint.origin = origin
+        return endpoint
+
+    async def resolve(self, *, initial: bool = False) -> None:
+        """Resolve every configured endpoint to its replicas now: open the new
+        addresses (and ask them what they host), retire the ones that vanished."""
+        wanted: dict[tuple[str, str], StageAddress | None] = {}
+        current = {(e.address.stage, e.address.target): e for e in self.endpoints}
+        for address in self.addresses:
+            targets = await self.discovery.resolver.expand(address.target)
+            if targets is None:
+                # Unknown now: keep what this name had (at start: let gRPC resolve it).
+                kept = [key for key, e in current.items() if e.origin == address]
+                kept = kept or ([] if not initial else [(address.stage, address.target)])
+                wanted.update((key, address) for key in kept)
+                continue
+            wanted.update(((address.stage, target), address) for target in targets)
+        added = [
+            self._open(StageAddress(stage, target), wanted[stage, target])
+            for stage, target in wanted
+            if (stage, target) not in current
+        ]
+        removed = [e for key, e in current.items() if key not in wanted]
+        if not added and not removed:
+            return
+        self.endpoints = [e for e in self.endpoints if e not in removed] + added
+        for endpoint in removed:
+            self._retire(endpoint)
+        if not initial:
+            for endpoint in added:
+                log.info("%s was added (resolved)", endpoint.describe())
+            await asyncio.gather(*(self._refresh_one(e) for e in added))
+            if self.on_change is not None:
+                await self.on_change()
+
+    def _retire(self, endpoint: Endpoint) -> None:
+        log.info("%s vanished from resolution: retired", endpoint.describe())
+        endpoint.ready = False
+        endpoint.close_spares()
+        task = asyncio.create_task(self._drain(endpoint), name="stage-retire")
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _drain(self, endpoint: Endpoint) -> None:
+        """Give a retired replica's calls in flight the grace, cut the rest, close."""
+        deadline = asyncio.get_running_loop().time() + self.discovery.retire_grace_s
+        # A counter, not an event: calls and stream releases change it in several places.
+        while endpoint.in_flight and asyncio.get_running_loop().time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        endpoint.abandon()
+        await asyncio.sleep(0)  # the cut calls leave the channels first
+        for channel in endpoint.channels:
+            await channel.close()
+
+    async def _resolve_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.discovery.resolve_interval_s)
+            try:
+                await self.resolve()
+            except Exception:
+                log.exception("stage resolution failed")
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -305,6 +404,9 @@ class StageRouter:
                 raise
             tried.add(id(endpoint))
             endpoint.in_flight += 1
+            task = asyncio.current_task()
+            assert task is not None
+            endpoint.calls.add(task)
             try:
                 with remote():
                     return await invoke(endpoint.stub())
@@ -312,7 +414,13 @@ class StageRouter:
                 last = exc
                 log.warning("%s failed a call for '%s': %s", endpoint.describe(), model, exc)
                 endpoint.ready = False
+            except asyncio.CancelledError:
+                # Ours only when the replica was retired and nobody else cancelled.
+                if not endpoint.abandoned or task.uncancel() > 0:
+                    raise
+                last = Unavailable(f"{endpoint.describe()} was retired with the call in flight")
             finally:
+                endpoint.calls.discard(task)
                 endpoint.in_flight -= 1
         stages = ", ".join(self.stage_names(model)) or "?"
         detail = last.message if last is not None else "no replica"
