@@ -1,4 +1,4 @@
-"""The inference service: runs pytorch, onnxruntime, python and vllm models.
+"""The inference service: runs pytorch, onnxruntime, python, vllm and torchserve models.
 
 ``python -m services.inference.main --model-repository DIR [--grpc-port N]``
 """
@@ -14,6 +14,7 @@ from pydantic import Field
 from services.inference.onnx import OnnxBackend
 from services.inference.python import PythonBackend
 from services.inference.pytorch import PyTorchBackend
+from services.inference.torchserve import TorchServeBackend
 from services.inference.vllm import VllmBackend
 from shared.backend import Backend
 from shared.config import load_config
@@ -30,7 +31,8 @@ class InferenceConfig(StageConfig):
 
 def backends() -> dict[str, Backend]:
     """The backends this service registers, by name."""
-    return {b.name: b for b in (PyTorchBackend(), OnnxBackend(), PythonBackend(), VllmBackend())}
+    every = (PyTorchBackend(), OnnxBackend(), PythonBackend(), VllmBackend(), TorchServeBackend())
+    return {b.name: b for b in every}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -43,6 +45,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     llm = registered[VllmBackend.name]
     assert isinstance(llm, VllmBackend)
     llm.registry = parts.registry
+    archives = registered[TorchServeBackend.name]
+    assert isinstance(archives, TorchServeBackend)
+    archives.metrics.attach(parts.registry)  # TorchServe's ts_* names
     asyncio.run(run_service(config, parts))
 
 
