@@ -1,0 +1,329 @@
+"""The span store: SQLite, bounded by age and size. No gRPC or HTTP here.
+
+Every method blocks (SQLite): callers on an event loop run them in the one
+thread ``TraceStore`` owns (``TraceStore.run``), which also serialises them.
+
+Two tables: ``spans`` (one row per span, its attributes as JSON) and
+``traces`` (one row per trace, kept up to date on every insert: first start,
+last end, span count, whether any span failed, the root span, and the model
+named by the earliest span that names one), so listing recent or slowest
+traces reads one small table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from services.tracestore.spans import SpanRecord
+
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS spans (
+    trace_id TEXT NOT NULL, span_id TEXT NOT NULL, parent_id TEXT NOT NULL,
+    service TEXT NOT NULL, name TEXT NOT NULL, kind INTEGER NOT NULL,
+    start_us INTEGER NOT NULL, duration_us INTEGER NOT NULL,
+    error INTEGER NOT NULL, status_message TEXT NOT NULL,
+    attributes TEXT NOT NULL, events TEXT NOT NULL, resource TEXT NOT NULL,
+    scope TEXT NOT NULL, received REAL NOT NULL, size INTEGER NOT NULL,
+    PRIMARY KEY (trace_id, span_id)
+);
+CREATE INDEX IF NOT EXISTS spans_service ON spans (service, name, duration_us);
+CREATE INDEX IF NOT EXISTS spans_received ON spans (received);
+CREATE TABLE IF NOT EXISTS traces (
+    trace_id TEXT PRIMARY KEY, start_us INTEGER NOT NULL, end_us INTEGER NOT NULL,
+    spans INTEGER NOT NULL, error INTEGER NOT NULL,
+    root_service TEXT NOT NULL, root_name TEXT NOT NULL,
+    model TEXT, model_start INTEGER, received REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS traces_start ON traces (start_us);
+CREATE INDEX IF NOT EXISTS traces_duration ON traces (end_us - start_us);
+"""
+
+# Values in SET expressions are the row's old ones (SQLite evaluates them all
+# before assigning), so each CASE compares with what was there.
+_UPSERT_TRACE = """
+INSERT INTO traces VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (trace_id) DO UPDATE SET
+    start_us = min(start_us, excluded.start_us),
+    end_us = max(end_us, excluded.end_us),
+    spans = spans + 1,
+    error = max(error, excluded.error),
+    root_service = CASE WHEN excluded.start_us < start_us
+        THEN excluded.root_service ELSE root_service END,
+    root_name = CASE WHEN excluded.start_us < start_us
+        THEN excluded.root_name ELSE root_name END,
+    model = CASE WHEN excluded.model IS NOT NULL
+        AND (model IS NULL OR excluded.model_start < model_start)
+        THEN excluded.model ELSE model END,
+    model_start = CASE WHEN excluded.model IS NOT NULL
+        AND (model IS NULL OR excluded.model_start < model_start)
+        THEN excluded.model_start ELSE model_start END,
+    received = excluded.received
+"""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How much the store keeps."""
+
+    max_age_s: float
+    """Spans received longer ago than this are dropped."""
+    max_bytes: int
+    """Above this many bytes of spans, the oldest traces are dropped."""
+
+
+@dataclass(frozen=True)
+class TraceQuery:
+    """A search for traces, as Jaeger's ``/api/traces`` asks it."""
+
+    service: str | None = None
+    operation: str | None = None
+    tags: tuple[tuple[str, str], ...] = ()
+    min_duration_us: int = 0
+    max_duration_us: int | None = None
+    start_us: int | None = None
+    end_us: int | None = None
+    limit: int = 20
+
+
+@dataclass(frozen=True)
+class TraceSummary:
+    """One trace in a listing."""
+
+    trace_id: str
+    start_us: int
+    duration_us: int
+    spans: int
+    error: bool
+    root_service: str
+    root_name: str
+    model: str | None
+
+
+Order = Literal["recent", "slowest"]
+
+
+class TraceStore:
+    """Spans in SQLite, with one thread of its own for every call."""
+
+    def __init__(self, path: Path | str, limits: Limits) -> None:
+        self.limits = limits
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracestore")
+        self._db = self._executor.submit(self._open, str(path)).result()
+        self._bytes = self._executor.submit(self._stored_bytes).result()
+
+    async def run(self, call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)`` in the store's thread, awaited."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call, *args)
+
+    def close(self) -> None:
+        """Close the database and end the store's thread."""
+        self._executor.submit(self._db.close).result()
+        self._executor.shutdown()
+
+    @staticmethod
+    def _open(path: str) -> sqlite3.Connection:
+        db = sqlite3.connect(path, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=OFF")  # losing the last spans in a crash is fine
+        db.executescript(_SCHEMA)
+        return db
+
+    def _stored_bytes(self) -> int:
+        return int(self._db.execute("SELECT coalesce(sum(size), 0) FROM spans").fetchone()[0])
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of spans kept now (as the size bound counts them)."""
+        return self._bytes
+
+    def add(self, spans: Iterable[SpanRecord]) -> int:
+        """Keep ``spans`` (a span received twice is kept once); how many were new."""
+        now = time.time()
+        added = 0
+        with self._db:
+            for span in spans:
+                row = _row(span, now)
+                cursor = self._db.execute(
+                    "INSERT OR IGNORE INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", row
+                )
+                if cursor.rowcount == 0:
+                    continue
+                added += 1
+                self._bytes += row[-1]
+                model = span.model
+                self._db.execute(
+                    _UPSERT_TRACE,
+                    (
+                        span.trace_id,
+                        span.start_us,
+                        span.start_us + span.duration_us,
+                        int(span.error),
+                        span.service,
+                        span.name,
+                        model,
+                        span.start_us if model else None,
+                        now,
+                    ),
+                )
+        return added
+
+    def prune(self) -> int:
+        """Drop spans past the age bound, then the oldest traces past the size bound."""
+        cutoff = time.time() - self.limits.max_age_s
+        dropped = 0
+        with self._db:
+            old = [
+                r[0]
+                for r in self._db.execute(
+                    "SELECT trace_id FROM traces WHERE received < ?", (cutoff,)
+                )
+            ]
+            dropped += self._drop(old)
+            while self._bytes > self.limits.max_bytes:
+                # Down to 90%: a store at its bound does not prune on every batch.
+                oldest = [
+                    r[0]
+                    for r in self._db.execute(
+                        "SELECT trace_id FROM traces ORDER BY received LIMIT 100"
+                    )
+                ]
+                if not oldest:
+                    break
+                dropped += self._drop(oldest)
+                if self._bytes <= self.limits.max_bytes * 0.9:
+                    break
+        return dropped
+
+    def _drop(self, trace_ids: Sequence[str]) -> int:
+        for trace_id in trace_ids:
+            self._db.execute("DELETE FROM spans WHERE trace_id = ?", (trace_id,))
+            self._db.execute("DELETE FROM traces WHERE trace_id = ?", (trace_id,))
+        self._bytes = self._stored_bytes()
+        return len(trace_ids)
+
+    def services(self) -> list[str]:
+        """Every service that sent a span still kept."""
+        return [r[0] for r in self._db.execute("SELECT DISTINCT service FROM spans ORDER BY 1")]
+
+    def operations(self, service: str) -> list[tuple[str, int]]:
+        """Span names (and kinds) of ``service``."""
+        rows = self._db.execute(
+            "SELECT DISTINCT name, kind FROM spans WHERE service = ? ORDER BY 1", (service,)
+        )
+        return [(r[0], r[1]) for r in rows]
+
+    def trace(self, trace_id: str) -> list[SpanRecord]:
+        """Every span of one trace, by start time (empty if unknown)."""
+        rows = self._db.execute(
+            "SELECT * FROM spans WHERE trace_id = ? ORDER BY start_us", (trace_id.lower(),)
+        )
+        return [_record(row) for row in rows]
+
+    def find(self, query: TraceQuery) -> list[list[SpanRecord]]:
+        """Traces with a span that matches ``query``, newest first, whole."""
+        where: list[str] = ["1"]
+        args: list[Any] = []
+        for column, value in (("service", query.service), ("name", query.operation)):
+            if value:
+                where.append(f"{column} = ?")
+                args.append(value)
+        where.append("duration_us >= ?")
+        args.append(query.min_duration_us)
+        if query.max_duration_us is not None:
+            where.append("duration_us <= ?")
+            args.append(query.max_duration_us)
+        if query.start_us is not None:
+            where.append("start_us >= ?")
+            args.append(query.start_us)
+        if query.end_us is not None:
+            where.append("start_us <= ?")
+            args.append(query.end_us)
+        for key, value in query.tags:
+            where.append("CAST(json_extract(attributes, ?) AS TEXT) = ?")
+            args += [f'$."{key}"', value]
+        sql = (
+            "SELECT trace_id FROM traces WHERE trace_id IN "
+            f"(SELECT trace_id FROM spans WHERE {' AND '.join(where)}) "
+            "ORDER BY start_us DESC LIMIT ?"
+        )
+        ids = [r[0] for r in self._db.execute(sql, (*args, query.limit))]
+        return [self.trace(trace_id) for trace_id in ids]
+
+    def summaries(
+        self, order: Order, limit: int, model: str | None = None, error: bool | None = None
+    ) -> list[TraceSummary]:
+        """Recent or slowest traces, optionally of one model or one outcome."""
+        where: list[str] = ["1"]
+        args: list[Any] = []
+        if model:
+            where.append("model = ?")
+            args.append(model)
+        if error is not None:
+            where.append("error = ?")
+            args.append(int(error))
+        by = "start_us DESC" if order == "recent" else "end_us - start_us DESC"
+        rows = self._db.execute(
+            "SELECT trace_id, start_us, end_us - start_us, spans, error, root_service, "
+            f"root_name, model FROM traces WHERE {' AND '.join(where)} ORDER BY {by} LIMIT ?",
+            (*args, limit),
+        )
+        return [TraceSummary(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6], r[7]) for r in rows]
+
+    def models(self) -> list[str]:
+        """Every model a kept trace served."""
+        rows = self._db.execute("SELECT DISTINCT model FROM traces WHERE model IS NOT NULL")
+        return sorted(r[0] for r in rows)
+
+
+def _row(span: SpanRecord, received: float) -> tuple[Any, ...]:
+    attributes = json.dumps(span.attributes, default=str)
+    events = json.dumps(span.events, default=str)
+    resource = json.dumps(span.resource, default=str)
+    size = 120 + len(span.name) + len(attributes) + len(events) + len(resource)
+    return (
+        span.trace_id,
+        span.span_id,
+        span.parent_id,
+        span.service,
+        span.name,
+        span.kind,
+        span.start_us,
+        span.duration_us,
+        int(span.error),
+        span.status_message,
+        attributes,
+        events,
+        resource,
+        span.scope,
+        received,
+        size,
+    )
+
+
+def _record(row: Sequence[Any]) -> SpanRecord:
+    return SpanRecord(
+        trace_id=row[0],
+        span_id=row[1],
+        parent_id=row[2],
+        service=row[3],
+        name=row[4],
+        kind=row[5],
+        start_us=row[6],
+        duration_us=row[7],
+        error=bool(row[8]),
+        status_message=row[9],
+        attributes=json.loads(row[10]),
+        events=json.loads(row[11]),
+        resource=json.loads(row[12]),
+        scope=row[13],
+    )
