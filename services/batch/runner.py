@@ -1,0 +1,130 @@
+"""One batch line through the orchestrator: the request the online front door would send.
+
+The translation is the HTTP adapter's own (``gateway.http.openai_documents``
+for the OpenAI bodies, ``gateway.http.rest`` for KServe v2 JSON), so a line's
+answer is the document the same request gets online. v2 lines carry the
+``priority`` parameter (the batcher's levels: 1 is the highest), so a model
+that declares ``priority_levels`` serves online requests first.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from gateway.http.openai_documents import (
+    Generation,
+    chat_request,
+    completion_request,
+    embed_request,
+    embeddings_document,
+    error_document,
+)
+from gateway.http.rest import parse_infer, render_infer
+from inference import grpc_service_pb2 as pb
+from inference import grpc_service_pb2_grpc as pb_grpc
+from meshserve.v1 import meshserve_pb2 as api
+from meshserve.v1 import meshserve_pb2_grpc as api_grpc
+from services.batch.lines import V2_URL, BatchLine
+from shared.errors import MeshError, error_for_status
+
+TRANSIENT = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
+)
+"""Codes that say "not now" (the mesh restarting, a full queue): the line is tried again."""
+
+
+class Transient(Exception):
+    """The orchestrator could not take the line now; it stays claimed and is retried."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A line's result: the HTTP status and body the online request would have got."""
+
+    status: int
+    body: dict[str, Any]
+
+
+class LineRunner:
+    """Runs lines on the orchestrator's MeshService (OpenAI) and KServe v2 (v2 lines)."""
+
+    def __init__(self, channel: grpc.aio.Channel, priority: int, timeout_s: float) -> None:
+        self.mesh = api_grpc.MeshServiceStub(channel)  # type: ignore[no-untyped-call]
+        self.v2 = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+        self.priority = priority
+        self.timeout_s = timeout_s
+        self._levels: dict[str, int] = {}
+        """Priority levels by model (read once from its config)."""
+
+    async def run(self, line: BatchLine) -> Answer:
+        """The line's answer; a refusal by the model is an answer too (its error document)."""
+        try:
+            return Answer(200, await self._call(line))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in TRANSIENT:
+                raise Transient(f"{exc.code().name}: {exc.details()}") from exc
+            error = error_for_status(exc.code(), exc.details() or exc.code().name)
+            return Answer(
+                error.http_status, error_document(error.http_status, error.message, error)
+            )
+        except MeshError as error:
+            return Answer(
+                error.http_status, error_document(error.http_status, error.message, error)
+            )
+
+    async def _call(self, line: BatchLine) -> dict[str, Any]:
+        if line.url == "/v1/embeddings":
+            message, encoding, dimensions = embed_request(line.body)
+            answer = await self.mesh.Embed(message, timeout=self.timeout_s)
+            return embeddings_document(answer, encoding, dimensions)
+        if line.url == "/v1/chat/completions":
+            chat, generation = chat_request(line.body)
+            return await self._generate(self.mesh.Chat(chat, timeout=self.timeout_s), generation)
+        if line.url == "/v1/completions":
+            prompt, generation = completion_request(line.body)
+            call = self.mesh.Generate(prompt, timeout=self.timeout_s)
+            return await self._generate(call, generation)
+        match = V2_URL.match(line.url)
+        assert match is not None  # lines.parse_line let only these through
+        return await self._infer(match["model"], line.body)
+
+    async def _generate(self, call: Any, generation: Generation) -> dict[str, Any]:
+        texts: list[str] = []
+        finish: str | None = None
+        async for response in call:
+            delta: api.TextDelta = response.delta
+            texts.append(delta.text)
+            finish = generation.absorb(delta) or finish
+        return generation.document("".join(texts), finish or "stop")
+
+    async def _level(self, model: str) -> int:
+        """The priority level v2 lines of ``model`` get: ours, capped at the model's lowest.
+
+        A model without priority levels (or an ensemble: its steps may differ)
+        gets none; it still sees at most ``concurrency`` lines at a time."""
+        if not self.priority:
+            return 0
+        if model not in self._levels:
+            request = pb.ModelConfigRequest(name=model)
+            reply = await self.v2.ModelConfig(request, timeout=self.timeout_s)
+            self._levels[model] = int(reply.config.dynamic_batching.priority_levels)
+        return min(self.priority, self._levels[model])
+
+    async def _infer(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        infer = parse_infer(model, "", json.dumps(body).encode(), None)
+        request: pb.ModelInferRequest = infer.request
+        level = await self._level(model)
+        if level and "priority" not in request.parameters:
+            request.parameters["priority"].int64_param = level
+        response = await self.v2.ModelInfer(request, timeout=self.timeout_s)
+        document, header = render_infer(infer, response)
+        parsed: dict[str, Any] = json.loads(document[:header] if header else document)
+        return parsed
+
+
+def _refused(error: MeshError) -> Answer:
+    return Answer(error.http_status, error_document(error.http_status, error.message, error))
