@@ -19,7 +19,7 @@ from aiohttp import web
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from gateway.http import documents, generate, middleware, openai, rest, sse
+from gateway.http import batches, documents, generate, middleware, openai, rest, sse
 from gateway.http.upstream import MeshClient, Upstream
 from inference import grpc_service_pb2 as pb
 from shared.errors import MeshError, Unimplemented
@@ -272,4 +272,5 @@ def build_app(state: AdapterState) -> web.Application:
     app.router.add_post("/v2/repository/models/{name}/unload", model_unload)
     generate.GenerateApi(state.upstream, _read_body).add_routes(app.router)
     openai.OpenAIApi(MeshClient(state.upstream), _read_body).add_routes(app.router)
+    batches.mount(app)
     return app
