@@ -13,11 +13,29 @@ case "$service" in
   postprocess) module=services.postprocess.main ;;
   http-adapter) module=gateway.http.main ;;
   envoy) module=gateway.envoy.main ;;
-  # Fills the model volume (only the `models` image has the model wheels).
-  prepare-models) exec python -m models.prepare "$@" ;;
+  # Fills the model volume $MESHSERVE_CACHE (only the `models` image has the
+  # model wheels), lays any config.pbtxt overrides from $MESHSERVE_MODEL_CONFIGS
+  # (files named <model>.pbtxt) over the prepared ones, then marks it ready.
+  prepare-models)
+    python -m models.prepare "$@"
+    repository="${MESHSERVE_CACHE:?}/repository"
+    for config in "${MESHSERVE_MODEL_CONFIGS:-/nonexistent}"/*.pbtxt; do
+      [ -f "$config" ] || continue
+      model="$(basename "$config" .pbtxt)"
+      cp "$config" "$repository/$model/config.pbtxt"
+      echo "[models] $model: config.pbtxt from $config"
+    done
+    touch "$MESHSERVE_CACHE/prepared"
+    exit 0 ;;
+  # An init container: waits until the prepare Job has filled the volume.
+  wait-for-models)
+    marker="${MESHSERVE_CACHE:-/models}/prepared"
+    until [ -f "$marker" ]; do echo "waiting for $marker (the meshserve-prepare-models Job)"; sleep 5; done
+    exit 0 ;;
   *)
     echo "usage: meshserve-entrypoint SERVICE [FLAGS...]; SERVICE is one of:" >&2
-    echo "  orchestrator inference tokenizer preprocess postprocess http-adapter envoy prepare-models" >&2
+    echo "  orchestrator inference tokenizer preprocess postprocess http-adapter envoy" >&2
+    echo "  prepare-models wait-for-models" >&2
     exit 2 ;;
 esac
 exec python -m "$module" "$@"
