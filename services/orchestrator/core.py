@@ -19,22 +19,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import time
 from collections.abc import AsyncGenerator, Mapping
 
 from opentelemetry import trace
+from prometheus_client import CollectorRegistry
 
 from inference import grpc_service_pb2 as pb
 from inference import model_config_pb2 as mc
 from services.orchestrator.ensemble import EnsemblePlan
 from services.orchestrator.ensembles import ENSEMBLE_VERSION, EnsembleRegistry
+from services.orchestrator.route_table import RouteTable
 from services.orchestrator.router import StageRouter
+from services.orchestrator.routes import TARGET_PARAMETER, Route, parse_route
 from services.orchestrator.runner import Deadline, EnsembleRunner
 from services.orchestrator.streaming import relay
-from shared.errors import ConfigError, MeshError, NotFound, Unavailable
+from shared.errors import ConfigError, InvalidArgument, MeshError, NotFound, Unavailable
 from shared.repository import ModelEntry, is_ensemble
 from shared.rpc import remote
 from shared.servicer import FINAL_RESPONSE, stats_to_proto
 
+ROUTE_PARAMETER = "route"
+"""RepositoryModelLoad parameter: the route to define under the model name, as JSON."""
 INDEX_TIMEOUT_S = 5.0
 """How long a stage may take to list its models for the mesh's index."""
 LOAD_TIMEOUT_S = 300.0
@@ -56,13 +63,18 @@ class Orchestrator:
     """Every model of the mesh behind one set of calls."""
 
     def __init__(
-        self, router: StageRouter, ensembles: EnsembleRegistry, tracer: trace.Tracer
+        self,
+        router: StageRouter,
+        ensembles: EnsembleRegistry,
+        tracer: trace.Tracer,
+        routes: RouteTable | None = None,
     ) -> None:
         # Where each stage model lives -> the ensembles run here -> one request
-        # of an ensemble, step by step.
+        # of an ensemble, step by step; routes pick the model a name stands for.
         self.router = router
         self.ensembles = ensembles
         self.runner = EnsembleRunner(router, ensembles, self._infer, tracer)
+        self.routes = routes or RouteTable({}, CollectorRegistry())
         self._decoupled: dict[str, bool] = {}
 
     def plan(self, name: str, version: str = "") -> EnsemblePlan | None:
@@ -84,6 +96,17 @@ class Orchestrator:
     async def _infer(
         self, request: pb.ModelInferRequest, deadline: Deadline
     ) -> pb.ModelInferResponse:
+        route = self.routes.get(request.model_name)
+        if route is not None:
+            # A route's targets are models, never routes: no cycle to follow.
+            return await self.routes.serve(
+                route, request, lambda forwarded: self._infer_model(forwarded, deadline)
+            )
+        return await self._infer_model(request, deadline)
+
+    async def _infer_model(
+        self, request: pb.ModelInferRequest, deadline: Deadline
+    ) -> pb.ModelInferResponse:
         plan = self.plan(request.model_name, request.model_version)
         if plan is not None:
             return await self.runner.infer(plan, request, deadline)
@@ -98,15 +121,46 @@ class Orchestrator:
     ) -> AsyncGenerator[pb.ModelInferResponse, None]:
         """Every response to one request: a streaming ensemble's and a decoupled
         model's as they come, any other model's one (flagged final). Closing it
-        early stops the work upstream."""
+        early stops the work upstream. A route's answers name its target."""
         deadline = Deadline.after(timeout_s)
+        route = self.routes.get(request.model_name)
+        responses = (
+            self._stream(request, deadline)
+            if route is None
+            else self._route_stream(route, request, deadline)
+        )
+        async with contextlib.aclosing(responses):
+            async for response in responses:
+                yield response
+
+    async def _route_stream(
+        self, route: Route, request: pb.ModelInferRequest, deadline: Deadline
+    ) -> AsyncGenerator[pb.ModelInferResponse, None]:
+        target = self.routes.assign(route, request)
+        started = time.perf_counter()
+        ok = False
+        try:
+            async with contextlib.aclosing(self._stream(request, deadline)) as responses:
+                async for response in responses:
+                    response.parameters[TARGET_PARAMETER].string_param = target.id
+                    yield response
+            ok = True
+        except (asyncio.CancelledError, GeneratorExit):
+            ok = True  # the caller went away: not the target's failure
+            raise
+        finally:
+            self.routes.record(route.name, target, ok, time.perf_counter() - started)
+
+    async def _stream(
+        self, request: pb.ModelInferRequest, deadline: Deadline
+    ) -> AsyncGenerator[pb.ModelInferResponse, None]:
         plan = self.plan(request.model_name, request.model_version)
         if plan is not None and plan.streaming is not None:
             responses = self.runner.stream(plan, request, deadline)
         elif plan is None and await self._is_decoupled(request.model_name):
             responses = relay(self.router, request)
         else:
-            response = await self._infer(request, deadline)
+            response = await self._infer_model(request, deadline)
             response.parameters[FINAL_RESPONSE].bool_param = True
             yield response
             return
@@ -136,15 +190,25 @@ class Orchestrator:
         return stages
 
     def stages_of(self, model: str) -> list[str]:
-        """The stages hosting ``model`` (``orchestrator`` for an ensemble)."""
+        """The stages hosting ``model`` (``orchestrator`` for an ensemble; a route's primary's)."""
+        model, _ = self.resolve(model)
         if model in self.ensembles.plans:
             return ["orchestrator"]
         return self.router.stage_names(model)
 
+    def resolve(self, name: str, version: str = "") -> tuple[str, str]:
+        """The model (and version) that answers for ``name``: a route's primary target,
+        else ``name`` itself."""
+        route = self.routes.get(name)
+        if route is None:
+            return name, version
+        return route.primary.model, route.primary.version
+
     async def model_ready(
         self, name: str, version: str = "", timeout_s: float | None = None
     ) -> bool:
-        """True when ``name`` answers inference now."""
+        """True when ``name`` answers inference now (a route: its primary)."""
+        name, version = self.resolve(name, version)
         try:
             if self.plan(name, version) is not None:
                 return True
@@ -159,16 +223,20 @@ class Orchestrator:
     async def metadata(
         self, name: str, version: str = "", timeout_s: float | None = None
     ) -> pb.ModelMetadataResponse:
-        """A model's name, versions, platform and tensors."""
+        """A model's name, versions, platform and tensors (a route: its primary's,
+        under the route's name)."""
+        called = name
+        name, version = self.resolve(name, version)
         plan = self.plan(name, version)
         if plan is None:
             request = pb.ModelMetadataRequest(name=name, version=version)
             forwarded: pb.ModelMetadataResponse = await self.router.call(
                 name, lambda stub: stub.ModelMetadata(request, timeout=timeout_s)
             )
+            forwarded.name = called
             return forwarded
         response = pb.ModelMetadataResponse(
-            name=plan.name, versions=[ENSEMBLE_VERSION], platform="ensemble"
+            name=called, versions=[ENSEMBLE_VERSION], platform="ensemble"
         )
         for target, specs in (
             (response.inputs, plan.io.inputs),
@@ -181,21 +249,32 @@ class Orchestrator:
     async def config(
         self, name: str, version: str = "", timeout_s: float | None = None
     ) -> mc.ModelConfig:
-        """A model's configuration (as its stage runs it)."""
+        """A model's configuration (as its stage runs it; a route: its primary's,
+        under the route's name)."""
+        called = name
+        name, version = self.resolve(name, version)
         plan = self.plan(name, version)
         if plan is not None:
-            return plan.config
-        request = pb.ModelConfigRequest(name=name, version=version)
-        response: pb.ModelConfigResponse = await self.router.call(
-            name, lambda stub: stub.ModelConfig(request, timeout=timeout_s)
-        )
-        config: mc.ModelConfig = response.config
-        return config
+            config: mc.ModelConfig = plan.config
+        else:
+            request = pb.ModelConfigRequest(name=name, version=version)
+            response: pb.ModelConfigResponse = await self.router.call(
+                name, lambda stub: stub.ModelConfig(request, timeout=timeout_s)
+            )
+            config = response.config
+        if called == name:
+            return config
+        renamed = mc.ModelConfig()
+        renamed.CopyFrom(config)
+        renamed.name = called
+        return renamed
 
     async def statistics(
         self, name: str = "", version: str = "", timeout_s: float | None = None
     ) -> list[pb.ModelStatistics]:
-        """Triton's statistics of one model, or of every model (no name)."""
+        """Triton's statistics of one model, or of every model (no name); a route's
+        are its primary's."""
+        name, version = self.resolve(name, version)
         if name in self.ensembles.stats:
             _check_version(name, version)
             return [self._ensemble_stats(name)]
@@ -241,12 +320,20 @@ class Orchestrator:
             elif not ready_only:
                 reason = self.ensembles.failed.get(name, "not loaded")
                 rows.append(_index_row(name, "UNAVAILABLE", reason))
+        rows.extend(
+            pb.RepositoryIndexResponse.ModelIndex(name=name, state="READY")
+            for name in self.routes.names()
+        )
         return rows
 
     async def load(self, name: str, parameters: Mapping[str, pb.ModelRepositoryParameter]) -> None:
         """Load (or reload) ``name`` where it lives: an ensemble here; any other
         model on every ready replica of the stage whose index lists it (each
-        stage lists every model its backends host, loaded or not)."""
+        stage lists every model its backends host, loaded or not). A ``route``
+        parameter (the route as JSON) defines or replaces the route ``name``."""
+        if ROUTE_PARAMETER in parameters:
+            self.put_route(name, parameters[ROUTE_PARAMETER].string_param)
+            return
         entry = self._entry_to_load(name)
         if entry is not None and is_ensemble(entry.config):
             await self.ensembles.load(name)
@@ -296,7 +383,11 @@ class Orchestrator:
     async def unload(
         self, name: str, parameters: Mapping[str, pb.ModelRepositoryParameter]
     ) -> None:
-        """Stop serving ``name``: an ensemble here, else on every replica serving it."""
+        """Stop serving ``name``: a route (deleted), an ensemble here, else on every
+        replica serving it."""
+        if self.routes.get(name) is not None:
+            self.routes.delete(name)
+            return
         if name in self.ensembles.plans:
             self.ensembles.unload(name)
             return
@@ -314,6 +405,30 @@ class Orchestrator:
                 )
             )
         await self.router.refresh()
+
+    def put_route(self, name: str, document: str) -> Route:
+        """Define or replace the route ``name`` from its JSON (define_route)."""
+        try:
+            parsed = json.loads(document)
+        except ValueError as exc:
+            raise InvalidArgument(f"route '{name}': not valid JSON: {exc}") from None
+        return self.define_route(parse_route(name, parsed))
+
+    def define_route(self, route: Route) -> Route:
+        """Add or replace ``route``; its targets must be models the mesh serves
+        (InvalidArgument naming the one it does not)."""
+        name = route.name
+        if self.plan(name) is not None or self.router.stage_names(name):
+            raise InvalidArgument(f"route '{name}': a model of that name exists")
+        mirrored = [route.shadow.target] if route.shadow else []
+        for target in [*route.targets, *mirrored]:
+            if self.routes.get(target.model) is not None:
+                raise InvalidArgument(f"route '{name}': target '{target.model}' is a route")
+            if not self.stages_of(target.model):
+                raise InvalidArgument(
+                    f"route '{name}': target '{target.model}' is not a model of the mesh"
+                )
+        return self.routes.put(route)
 
 
 def _index_row(name: str, state: str, reason: str = "") -> pb.RepositoryIndexResponse.ModelIndex:

@@ -17,7 +17,10 @@ from services.orchestrator.core import Orchestrator
 from services.orchestrator.discovery import Resolver
 from services.orchestrator.ensembles import EnsembleRegistry
 from services.orchestrator.mesh_api import MESH_SERVICE_NAME, MeshApiServicer, add_mesh_api
+from services.orchestrator.route_api import ROUTE_SERVICE_NAME, RouteApiServicer, add_route_api
+from services.orchestrator.route_table import RouteTable
 from services.orchestrator.router import Discovery, StageAddress, StageRouter
+from services.orchestrator.routes import load_routes
 from services.orchestrator.servicer import OrchestratorServicer
 from shared.config import ServiceConfig, load_config
 from shared.launch import run_service
@@ -62,7 +65,9 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
     provider = make_tracer_provider(config.service_name, config.otlp_endpoint)
     tracer = tracer_for(provider, "meshserve.orchestrator")
     parts = ServiceParts(
-        servicers=[], service_names=[SERVICE_NAME, MESH_SERVICE_NAME], tracer_provider=provider
+        servicers=[],
+        service_names=[SERVICE_NAME, MESH_SERVICE_NAME, ROUTE_SERVICE_NAME],
+        tracer_provider=provider,
     )
     router = StageRouter(
         [StageAddress.parse(text) for text in config.stages],
@@ -77,10 +82,12 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
     )
     repository = ModelRepository(config.model_repository) if config.model_repository else None
     ensembles = EnsembleRegistry(repository, router.model_config, Metrics(parts.registry))
-    core = Orchestrator(router, ensembles, tracer)
+    routes = RouteTable(load_routes(config.model_repository), parts.registry)
+    core = Orchestrator(router, ensembles, tracer, routes)
     parts.servicers = [
         (add_to_server, OrchestratorServicer(core)),
         (add_mesh_api, MeshApiServicer(core)),
+        (add_route_api, RouteApiServicer(core)),
     ]
 
     async def start() -> None:
@@ -89,7 +96,7 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
         router.on_change = ensembles.retry_failed
 
     parts.on_start = [start]
-    parts.on_stop = [router.stop]
+    parts.on_stop = [routes.close, router.stop]
     return parts
 
 

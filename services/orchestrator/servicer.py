@@ -15,6 +15,7 @@ import grpc
 
 from inference import grpc_service_pb2 as pb
 from services.orchestrator.core import Orchestrator
+from services.orchestrator.route_headers import announce_target, take_route_headers
 from shared.servicer import BaseServicer
 
 Request = TypeVar("Request")
@@ -78,7 +79,10 @@ class OrchestratorServicer(BaseServicer):
         request: pb.ModelInferRequest,
         context: Context[pb.ModelInferRequest, pb.ModelInferResponse],
     ) -> pb.ModelInferResponse:
-        return await self.core.infer(request, timeout_of(context))
+        take_route_headers(context, request)
+        response = await self.core.infer(request, timeout_of(context))
+        await announce_target(context, response)
+        return response
 
     async def stream_responses(
         self,
@@ -86,6 +90,7 @@ class OrchestratorServicer(BaseServicer):
         context: Context[pb.ModelInferRequest, pb.ModelStreamInferResponse],
     ) -> AsyncIterator[pb.ModelInferResponse]:
         """Every response to one request of a ModelStreamInfer stream."""
+        take_route_headers(context, request)
         async with contextlib.aclosing(self.core.stream(request, timeout_of(context))) as responses:
             async for response in responses:
                 yield response

@@ -1,0 +1,105 @@
+"""Routes without sockets: assignment, stickiness, changes, the file, the comparisons."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from inference import grpc_service_pb2 as pb
+from services.orchestrator.route_shadow import compare
+from services.orchestrator.routes import Route, Target, load_routes, parse_route
+from shared.errors import ConfigError, InvalidArgument
+from shared.tensors import encode_outputs
+
+CANARY = Route("classifier", (Target("m", "1", 90), Target("m", "2", 10)))
+
+
+def test_weighted_random_lands_ten_percent_on_the_candidate() -> None:
+    rng = random.Random(20)
+    picks = [CANARY.pick(rng=rng).id for _ in range(10_000)]
+    share = picks.count("m:2") / len(picks)
+    print(f"90/10 route: {share:.2%} of 10,000 requests on the candidate")
+    assert 0.09 <= share <= 0.11
+
+
+def test_sticky_keys_keep_their_target_and_only_move_into_the_candidate() -> None:
+    keys = [f"user-{i}" for i in range(1000)]
+    before = {key: CANARY.pick(key=key).id for key in keys}
+    assert all(CANARY.pick(key=key).id == before[key] for key in keys)
+    wider = CANARY.with_weights({"m:1": 80, "m:2": 20})
+    after = {key: wider.pick(key=key).id for key in keys}
+    moved = [key for key in keys if before[key] != after[key]]
+    print(
+        f"sticky: {sum(t == 'm:2' for t in before.values())} of 1,000 keys on the candidate "
+        f"at 10%, {sum(t == 'm:2' for t in after.values())} at 20%; {len(moved)} moved, "
+        f"{sum(after[k] == 'm:1' for k in moved)} of them out of the candidate"
+    )
+    assert all(after[key] == "m:2" for key in moved)
+    assert 0.07 <= len(moved) / len(keys) <= 0.13
+
+
+def test_rendezvous_with_three_targets_moves_keys_only_into_the_raised_one() -> None:
+    route = Route("r", (Target("a", "", 50), Target("b", "", 30), Target("c", "", 20)))
+    raised = route.with_weights({"c": 40})
+    for i in range(2000):
+        old, new = route.pick(key=str(i)).id, raised.pick(key=str(i)).id
+        assert new in (old, "c")
+
+
+def test_override_promote_and_rollback() -> None:
+    assert CANARY.pick(override="m:2").id == "m:2"
+    with pytest.raises(InvalidArgument, match=r"no target 'm:3' \(targets: m:1, m:2\)"):
+        CANARY.pick(override="m:3")
+    promoted = CANARY.promoted("m:2")
+    assert [(t.id, t.weight) for t in promoted.targets] == [("m:2", 100), ("m:1", 0)]
+    assert all(promoted.pick(key=str(i)).id == "m:2" for i in range(100))
+    back = CANARY.rolled_back()
+    assert [(t.id, t.weight) for t in back.targets] == [("m:1", 100), ("m:2", 0)]
+    with pytest.raises(InvalidArgument, match="is the primary"):
+        CANARY.rolled_back("m:1")
+    with pytest.raises(InvalidArgument, match="at least one weight"):
+        CANARY.with_weights({"m:1": 0, "m:2": 0})
+
+
+def test_bad_routes_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument, match=r"targets\.1\.weight"):
+        parse_route("r", {"targets": [{"model": "a", "weight": 1}, {"model": "b", "weight": -1}]})
+    with pytest.raises(InvalidArgument, match="listed twice"):
+        parse_route("r", {"targets": [{"model": "a", "weight": 1}, {"model": "a", "weight": 1}]})
+    with pytest.raises(InvalidArgument, match="version must be a number"):
+        parse_route("r", {"targets": [{"model": "a", "version": "v2", "weight": 1}]})
+    with pytest.raises(InvalidArgument, match="the route itself"):
+        parse_route("r", {"targets": [{"model": "r", "weight": 1}]})
+    (tmp_path / "routes.yaml").write_text("routes:\n  r:\n    targets: []\n")
+    with pytest.raises(ConfigError, match=r"routes\.yaml: routes\.r\.targets"):
+        load_routes(tmp_path)
+    (tmp_path / "routes.yaml").write_text(
+        "routes:\n  r:\n    targets: [{model: a, weight: 9}, {model: b, version: '2', weight: 1}]\n"
+        "    shadow: {model: c, fraction: 0.5}\n"
+    )
+    route = load_routes(tmp_path)["r"]
+    assert [t.id for t in route.targets] == ["a", "b:2"]
+    assert route.shadow is not None and route.shadow.fraction == 0.5
+
+
+def _response(**outputs: np.ndarray) -> pb.ModelInferResponse:
+    response = pb.ModelInferResponse()
+    encode_outputs(response, outputs)
+    return response
+
+
+def test_shadow_comparisons() -> None:
+    scores = np.array([[0.7, 0.2, 0.1]], dtype=np.float32)
+    close = _response(P=scores + np.float32(0.01))
+    result = compare(_response(P=scores), close)
+    assert result.top1_agree is True and result.exact_match is None
+    assert result.max_abs_diff == pytest.approx(0.01, abs=1e-6)
+    flipped = compare(_response(P=scores), _response(P=scores[:, ::-1].copy()))
+    assert flipped.top1_agree is False
+    text = np.array([b"Paris"], dtype=object)
+    assert compare(_response(T=text), _response(T=text)).exact_match is True
+    other = np.array([b"Lyon"], dtype=object)
+    assert compare(_response(T=text), _response(T=other)).exact_match is False
