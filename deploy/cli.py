@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from deploy import mar_import
+from deploy import job_cli, mar_import
 from deploy.local import supervisor
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
@@ -110,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     unload_parser.add_argument("name", help="the model to unload")
     _url(unload_parser)
     mar_import.add_arguments(_command(commands, "import-mar", mar_import.import_mar))
+    job_cli.add_command(commands)
     return parser
 
 
