@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,7 +30,8 @@ class _TinyNet(torch.nn.Module):
         self.head = torch.nn.Linear(8 * 16, len(KITTEN_LABELS))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.flatten(self.features(x), 1))
+        logits: torch.Tensor = self.head(torch.flatten(self.features(x), 1))
+        return logits
 
 
 def archive(
@@ -76,7 +78,8 @@ def kitten_mar(
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     model_file = work / "kitten.pt"
-    torch.jit.script(_TinyNet().eval()).save(str(model_file))
+    scripted: Any = torch.jit.script(_TinyNet().eval())
+    scripted.save(str(model_file))
     labels = work / "index_to_name.json"
     labels.write_text(json.dumps({str(i): label for i, label in enumerate(KITTEN_LABELS)}))
     handler = work / "kitten_handler.py"
