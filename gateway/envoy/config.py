@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.envoy.access import JwtAuth, RateLimit, access_filters, route_rate_limits
+from gateway.envoy.upstream_tls import UpstreamTls, secure
 
 __all__ = ["EdgeSettings", "JwtAuth", "Limits", "RateLimit", "build_config"]
 
@@ -72,6 +73,8 @@ class EdgeSettings:
     otlp_endpoint: str | None = None
     access_log: bool = True
     extra_clusters: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+    upstream_tls: UpstreamTls | None = None
+    """Mutual TLS toward the orchestrator and the HTTP adapter (upstream_tls.py)."""
 
 
 def _address(host_port: str) -> dict[str, Any]:
@@ -375,7 +378,10 @@ def build_config(settings: EdgeSettings) -> dict[str, Any]:
         # Admin (drain, stats, quit) only for this user, never over TCP.
         "admin": {"address": {"pipe": {"path": str(settings.admin_socket), "mode": 0o600}}},
         "overload_manager": _overload(settings),
-        "static_resources": {"listeners": [_listener(settings)], "clusters": clusters},
+        "static_resources": {
+            "listeners": [_listener(settings)],
+            "clusters": secure(clusters, settings.upstream_tls),
+        },
     }
 
 

@@ -33,6 +33,7 @@ from pydantic import Field
 from gateway.envoy.access import JwtAuth, RateLimit, Roles
 from gateway.envoy.config import EdgeSettings, Limits, build_config
 from gateway.envoy.descriptors import write_mesh_descriptor_set
+from gateway.envoy.upstream_tls import UpstreamTls
 from shared.config import ServiceConfig, load_config
 from shared.launch import READY_MARKER
 from shared.server import setup_logging
@@ -130,7 +131,15 @@ def settings_from(config: EdgeConfig, workdir: Path) -> EdgeSettings:
         tls_key=config.tls_key,
         otlp_endpoint=config.otlp_endpoint,
         access_log=config.access_log,
+        upstream_tls=_upstream_tls(config),
     )
+
+
+def _upstream_tls(config: EdgeConfig) -> UpstreamTls | None:
+    """The mesh identity Envoy shows its upstreams, when mutual TLS is configured."""
+    if config.mtls_cert is None or config.mtls_key is None or config.mtls_ca is None:
+        return None
+    return UpstreamTls(config.mtls_cert, config.mtls_key, config.mtls_ca, config.mtls_server_name)
 
 
 def write_config(settings: EdgeSettings, path: Path) -> Path:

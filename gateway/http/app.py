@@ -20,6 +20,9 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from gateway.http import batches, documents, generate, middleware, openai, rest, sse
+from gateway.http.torchserve import TorchServeApi
+from gateway.http.torchserve_management import TorchServeManagement
+from gateway.http.torchserve_store import ModelStore
 from gateway.http.upstream import MeshClient, Upstream
 from inference import grpc_service_pb2 as pb
 from shared.errors import MeshError, Unimplemented
@@ -45,6 +48,8 @@ class AdapterState:
     draining: bool = False
     streams: sse.Streams = field(default_factory=sse.Streams)
     """The SSE answers in flight; shutdown cuts those that outlive the grace period."""
+    model_store: ModelStore = field(default_factory=ModelStore)
+    """TorchServe's model store and the repository its management API writes into."""
 
     def __post_init__(self) -> None:
         self.requests = Counter(
@@ -241,6 +246,7 @@ def build_app(state: AdapterState) -> web.Application:
     ]
     app = web.Application(middlewares=layers, client_max_size=state.max_body_bytes)
     app[STATE] = state
+    app.on_response_prepare.append(middleware.identify)
     app[sse.STREAMS] = state.streams
     model = "/v2/models/{name}"
     version = "/v2/models/{name}/versions/{version}"
@@ -272,5 +278,9 @@ def build_app(state: AdapterState) -> web.Application:
     app.router.add_post("/v2/repository/models/{name}/unload", model_unload)
     generate.GenerateApi(state.upstream, _read_body).add_routes(app.router)
     openai.OpenAIApi(MeshClient(state.upstream), _read_body).add_routes(app.router)
+    TorchServeApi(state.upstream, _read_body, state.model_store).add_routes(app.router)
+    management = TorchServeManagement(state.upstream, state.model_store)
+    management.add_routes(app.router)  # Envoy exposes these on their own listener
+    app.on_cleanup.append(lambda _: management.close())
     batches.mount(app)
     return app
