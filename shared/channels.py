@@ -3,21 +3,42 @@
 One HTTP/2 connection caps throughput under load, so callers keep a few
 channels per target and spread calls over them; each carries the trace
 context through the shared client interceptors.
+
+With mutual TLS configured (``shared.mtls``) every channel the process opens
+shows the process's certificate and checks the peer's. A process has one
+identity, so it is set once, by the server bootstrap or a service's ``main``
+(``use_mesh_tls``), rather than threaded through every caller.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import grpc
 from opentelemetry import trace
 
 from shared.interceptors import client_interceptors
+from shared.mtls import MeshTls
+
+_identity: list[MeshTls] = []
+"""The process's mutual TLS identity, when it has one (at most one entry)."""
+
+
+def use_mesh_tls(tls: MeshTls | None) -> None:
+    """Open every later channel with ``tls`` (None: plaintext again)."""
+    _identity[:] = [tls] if tls is not None else []
+
+
+def mesh_tls() -> MeshTls | None:
+    """The identity channels are opened with, if any."""
+    return _identity[0] if _identity else None
 
 
 def open_channels(
     target: str, count: int, max_message_bytes: int, tracer: trace.Tracer
 ) -> list[grpc.aio.Channel]:
     """``count`` channels to ``target``, each on its own connection (call in a loop)."""
-    options = [
+    options: list[tuple[str, Any]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         # Without a local subchannel pool, channels to one target share one
@@ -25,7 +46,21 @@ def open_channels(
         ("grpc.use_local_subchannel_pool", 1),
         ("grpc.keepalive_time_ms", 30_000),
     ]
+    tls = mesh_tls()
+    if tls is None:
+        return [
+            grpc.aio.insecure_channel(
+                target, options=options, interceptors=client_interceptors(tracer)
+            )
+            for _ in range(count)
+        ]
+    credentials = tls.channel_credentials()
     return [
-        grpc.aio.insecure_channel(target, options=options, interceptors=client_interceptors(tracer))
+        grpc.aio.secure_channel(
+            target,
+            credentials,
+            options=[*options, *tls.channel_options()],
+            interceptors=client_interceptors(tracer),
+        )
         for _ in range(count)
     ]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
 from shared.errors import ConfigError
@@ -46,6 +46,22 @@ class ServiceConfig(BaseModel):
     """OTLP/gRPC trace collector (host:port); None exports no spans."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Root log level."""
+    mtls_cert: Path | None = None
+    """Mutual TLS between services (with mtls_key, mtls_ca): this process's certificate
+    chain (PEM), served on its port and shown to the services it calls."""
+    mtls_key: Path | None = None
+    """Private key (PEM) of mtls_cert."""
+    mtls_ca: Path | None = None
+    """CA certificate (PEM) every peer's certificate must be signed by."""
+    mtls_server_name: str | None = None
+    """Name the peers' certificates are checked against instead of the host dialled."""
+
+    @model_validator(mode="after")
+    def _mtls_complete(self) -> ServiceConfig:
+        given = [self.mtls_cert, self.mtls_key, self.mtls_ca]
+        if any(given) and not all(given):
+            raise ValueError("mtls_cert, mtls_key and mtls_ca go together: set all three")
+        return self
 
 
 C = TypeVar("C", bound=ServiceConfig)

@@ -2,7 +2,8 @@
 
 One ``grpc.aio`` server with the shared interceptors (errors, tracing, drain
 gate), grpc.health.v1, server reflection, a Prometheus ``/metrics`` endpoint,
-message-size limits from config, and graceful shutdown: health turns
+message-size limits from config, mutual TLS when configured (``shared.mtls``),
+and graceful shutdown: health turns
 NOT_SERVING at once, new RPCs are refused, in-flight RPCs get up to
 ``grace_period_s`` to finish, then the server stops.
 """
@@ -22,9 +23,11 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
+from shared.channels import use_mesh_tls
 from shared.config import ServiceConfig
 from shared.interceptors import DrainGate, ErrorInterceptor, TracingInterceptor
 from shared.metrics_http import start_metrics_server
+from shared.mtls import MeshTls
 from shared.tracing import make_tracer_provider, tracer_for
 
 log = logging.getLogger(__name__)
@@ -110,7 +113,7 @@ class MeshServer:
             reflection.SERVICE_NAME,
         ]
         reflection.enable_server_reflection(names, server)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        self.port = self._bind(server)
         if self.port == 0:
             raise OSError(f"cannot bind gRPC port {self.config.host}:{self.config.grpc_port}")
         self._server = server
@@ -126,6 +129,18 @@ class MeshServer:
             await hook()
         for name in ["", *self.parts.service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def _bind(self, server: grpc.aio.Server) -> int:
+        """The port, TLS with client certificates when mutual TLS is configured; the
+        channels this process opens then show the same certificate."""
+        address = f"{self.config.host}:{self.config.grpc_port}"
+        tls = MeshTls.from_config(self.config)
+        if tls is None:
+            port: int = server.add_insecure_port(address)
+            return port
+        use_mesh_tls(tls)
+        port = server.add_secure_port(address, tls.server_credentials())
+        return port
 
     async def stop(self) -> None:
         """Drain: NOT_SERVING, refuse new RPCs, let in-flight ones finish, stop."""

@@ -25,9 +25,11 @@ from pydantic import Field
 
 from gateway.http.app import AdapterState, build_app
 from gateway.http.upstream import Upstream
+from shared.channels import use_mesh_tls
 from shared.config import ServiceConfig, load_config
 from shared.launch import READY_MARKER
 from shared.metrics_http import start_metrics_server
+from shared.mtls import MeshTls
 from shared.server import setup_logging
 from shared.tracing import make_tracer_provider, tracer_for
 
@@ -88,6 +90,10 @@ async def serve(config: HttpAdapterConfig) -> None:
     """Serve the REST API until SIGTERM or SIGINT, then drain and stop."""
     provider = make_tracer_provider(config.service_name, config.otlp_endpoint)
     tracer = tracer_for(provider, "meshserve.http_adapter")
+    # Mutual TLS, when configured: Envoy must show a certificate here, and the
+    # adapter shows its own to the orchestrator.
+    tls = MeshTls.from_config(config)
+    use_mesh_tls(tls)
     upstream = Upstream(
         config.orchestrator,
         channels=config.channels,
@@ -113,7 +119,8 @@ async def serve(config: HttpAdapterConfig) -> None:
     metrics = None
     try:
         await runner.setup()
-        await web.TCPSite(runner, config.host, config.http_port).start()
+        ssl_context = tls.server_ssl_context() if tls is not None else None
+        await web.TCPSite(runner, config.host, config.http_port, ssl_context=ssl_context).start()
         if config.metrics_port >= 0:
             metrics = start_metrics_server(config.host, config.metrics_port, state.registry)
         address = _announce(config, runner, metrics.server_address[1] if metrics else None)
