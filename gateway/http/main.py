@@ -19,11 +19,13 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from aiohttp import web
 from pydantic import Field
 
 from gateway.http.app import AdapterState, build_app
+from gateway.http.torchserve_store import ModelStore
 from gateway.http.upstream import Upstream
 from shared.channels import use_mesh_tls
 from shared.config import ServiceConfig, load_config
@@ -53,6 +55,10 @@ class HttpAdapterConfig(ServiceConfig):
     """gRPC connections to the orchestrator; calls go round robin over them."""
     request_timeout_s: float = Field(300.0, gt=0.0, le=3600.0)
     """Deadline of each call to the orchestrator; past it the caller gets 504."""
+    model_store: Path | None = None
+    """TorchServe's model store: the folder its management API registers .mar files from."""
+    model_repository: Path | None = None
+    """The mesh's model repository, where registered archives become model folders."""
 
 
 CUT_REASON = "the HTTP adapter shut down before the answer finished; retry on another replica"
@@ -102,6 +108,7 @@ async def serve(config: HttpAdapterConfig) -> None:
         tracer=tracer,
     )
     state = AdapterState(upstream, tracer, config.max_body_bytes)
+    state.model_store = ModelStore(config.model_store, config.model_repository)
     # auto_decompress off: rest.decode_body inflates with the body limit applied.
     # handler_cancellation: a client that disconnects cancels its handler, and so
     # its gRPC call (an abandoned LLM generation stops instead of running on).
