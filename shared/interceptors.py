@@ -36,6 +36,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from shared.errors import GENERIC_INTERNAL_MESSAGE, InvalidArgument, MeshError, Unavailable
+from shared.trace_ids import TRACEPARENT, traceparent
 from shared.tracing import (
     extract_context,
     inject_metadata,
@@ -250,14 +251,21 @@ class TracingInterceptor(_HandlerWrapper):
             return self._streamed(behavior, method, parent)
         return around(behavior, functools.partial(self._span, method, parent))
 
-    def _start(self, method: str, parent: otel_context.Context) -> trace.Span:
+    def _start(
+        self, method: str, parent: otel_context.Context, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> trace.Span:
         service, name = _split(method)
-        return self._tracer.start_span(
+        span = self._tracer.start_span(
             method.lstrip("/"),
             context=parent,
             kind=SpanKind.SERVER,
             attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
         )
+        # The caller finds its request's trace in the trailers (an abort keeps them).
+        header = traceparent(span)
+        if header is not None:
+            context.set_trailing_metadata(((TRACEPARENT, header),))
+        return span
 
     @contextlib.asynccontextmanager
     async def _span(
@@ -265,9 +273,10 @@ class TracingInterceptor(_HandlerWrapper):
         method: str,
         parent: otel_context.Context,
         request: Any,
-        _: grpc.aio.ServicerContext[Any, Any],
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[Any]:
-        span = self._start(method, parent)
+        span = self._start(method, parent, context)
+        _label(span, request)
         token = otel_context.attach(trace.set_span_in_context(span))
         try:
             with _recorded(span):
@@ -281,7 +290,8 @@ class TracingInterceptor(_HandlerWrapper):
         async def streamed(
             request: Any, context: grpc.aio.ServicerContext[Any, Any]
         ) -> AsyncIterator[Any]:
-            span = self._start(method, parent)
+            span = self._start(method, parent, context)
+            _label(span, request)
             with _recorded(span):
                 async with contextlib.aclosing(behavior(request, context)) as items:
                     async for item in iterate_in_context(trace.set_span_in_context(span), items):
@@ -295,7 +305,7 @@ class TracingInterceptor(_HandlerWrapper):
         method: str,
         parent: otel_context.Context,
         requests: AsyncIterator[Any],
-        _: grpc.aio.ServicerContext[Any, Any],
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[Any]:
         spans: list[trace.Span] = []
 
@@ -305,7 +315,10 @@ class TracingInterceptor(_HandlerWrapper):
             if spans:
                 return
             has_parent = trace.get_current_span(parent).get_span_context().is_valid
-            span = self._start(method, parent if has_parent or carried is None else carried)
+            span = self._start(
+                method, parent if has_parent or carried is None else carried, context
+            )
+            _label(span, request)
             spans.append(span)
             # Current from here on in the task reading the requests, so the
             # tasks it starts for them run in the request's trace.
@@ -320,6 +333,13 @@ class TracingInterceptor(_HandlerWrapper):
         finally:
             for span in spans:
                 span.end()
+
+
+def _label(span: trace.Span, request: Any) -> None:
+    """Name the model a request asks for on its span: a trace is found by its model."""
+    model = getattr(request, "model_name", None) or getattr(request, "model", None)
+    if isinstance(model, str) and model:
+        span.set_attribute("meshserve.model", model)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,9 @@
 
     measuring    request count and latency by route and status (outermost: sees
                  every answer, errors included)
-    tracing      the server span, continuing the caller's W3C ``traceparent``
+    tracing      the server span, continuing the caller's W3C ``traceparent``;
+                 ``identify`` (on response prepare) puts its ``traceparent`` and the
+                 request's ``x-request-id`` (the caller's, or a new one) in the headers
     errors       an exception as its HTTP answer (the one HTTP error map)
     drain_gate   while draining, refuse new work with 503 (health stays open)
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -30,12 +33,15 @@ from prometheus_client import Counter, Histogram
 
 from gateway.http import openai
 from shared.errors import GENERIC_INTERNAL_MESSAGE, MeshError, Unavailable
+from shared.trace_ids import TRACEPARENT, traceparent
 from shared.tracing import extract_context
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+REQUEST_ID = "x-request-id"
+_SPAN_KEY = web.RequestKey("meshserve_server_span", trace.Span)
 RETRY_AFTER_S = 1
 """Seconds a 429 asks the client to wait: a full queue drains in about a batch's time."""
 
@@ -76,6 +82,7 @@ def tracing(tracer: trace.Tracer) -> Middleware:
             kind=SpanKind.SERVER,
             attributes={"http.request.method": request.method, "http.route": route},
         ) as span:
+            request[_SPAN_KEY] = span
             response = await handler(request)
             span.set_attribute("http.response.status_code", response.status)
             if response.status >= 500:
@@ -83,6 +90,15 @@ def tracing(tracer: trace.Tracer) -> Middleware:
         return response
 
     return middleware
+
+
+async def identify(request: web.Request, response: web.StreamResponse) -> None:
+    """Name the request in every answer's headers, streams too (before they are sent)."""
+    response.headers[REQUEST_ID] = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
+    span = request.get(_SPAN_KEY)
+    header = traceparent(span) if span is not None else None
+    if header is not None:
+        response.headers[TRACEPARENT] = header
 
 
 def _answer(

@@ -34,6 +34,7 @@ from gateway.http.openai_protocol import (
 )
 from meshserve.v1 import meshserve_pb2 as api
 from shared.errors import Unavailable
+from shared.trace_ids import current_trace_id
 
 __all__ = ["DEFAULT_EMBEDDER", "DEFAULT_LLM", "InvalidParam", "kind"]
 
@@ -128,7 +129,8 @@ class Generation:
     completion_tokens: int = 0
 
     def __post_init__(self) -> None:
-        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        # The request's trace id (the same 32 hex digits as a uuid): the id finds the trace.
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{current_trace_id() or uuid.uuid4().hex}"
 
     def absorb(self, delta: api.TextDelta) -> str | None:
         """Count ``delta``'s tokens; its finish reason, if it is the last one."""

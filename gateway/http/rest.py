@@ -30,6 +30,7 @@ from gateway.http.json_tensors import json_to_raw, raw_to_json
 from inference import grpc_service_pb2 as pb
 from shared.errors import InvalidArgument, Unimplemented
 from shared.tensors import decode_raw, decode_typed, encode_raw
+from shared.trace_ids import current_trace_id
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 """Request and response header: bytes of JSON before the binary tensor data."""
@@ -279,8 +280,10 @@ def render_infer(call: InferCall, response: pb.ModelInferResponse) -> tuple[byte
         "model_name": response.model_name,
         "model_version": response.model_version,
     }
-    if response.id:
-        document["id"] = response.id
+    # The request's own id when it gave one (KServe v2 echoes it), else its trace id.
+    request_id = response.id or current_trace_id()
+    if request_id:
+        document["id"] = request_id
     if response.parameters:
         document["parameters"] = _parameters_json(response.parameters)
     outputs: list[dict[str, Any]] = []
