@@ -71,6 +71,8 @@ class EdgeSettings:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     otlp_endpoint: str | None = None
+    trace_store: str | None = None
+    """host:port of the trace store's query port: /traces and Jaeger's /api go there."""
     access_log: bool = True
     extra_clusters: tuple[dict[str, Any], ...] = field(default_factory=tuple)
     upstream_tls: UpstreamTls | None = None
@@ -193,6 +195,7 @@ def _routes(settings: EdgeSettings) -> list[dict[str, Any]]:
             "route": {"cluster": "http_adapter", "timeout": "0s"},
             "typed_per_filter_config": no_transcoder,
         },
+        *_trace_routes(settings, timeout),
         {
             "match": {"prefix": "/"},
             "direct_response": {"status": 404, "body": {"inline_string": "no route for this path"}},
@@ -205,6 +208,26 @@ def _routes(settings: EdgeSettings) -> list[dict[str, Any]]:
                     route["name"], auth=settings.auth is not None
                 )
     return routes
+
+
+def _trace_routes(settings: EdgeSettings, timeout: str) -> list[dict[str, Any]]:
+    """The trace store's page and Jaeger's query API (services/tracestore/query.py)."""
+    if not settings.trace_store:
+        return []
+    off = {
+        name: {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}
+        for name in ("envoy.filters.http.grpc_json_transcoder",)
+    }
+    return [
+        {
+            "name": "traces",
+            "match": {
+                "safe_regex": {"regex": "/traces(/.*)?|/api/(traces|services|operations)(/.*)?"}
+            },
+            "route": {"cluster": "tracestore", "timeout": timeout},
+            "typed_per_filter_config": off,
+        }
+    ]
 
 
 def _http_filters(settings: EdgeSettings) -> list[dict[str, Any]]:
@@ -263,6 +286,8 @@ def _connection_manager(settings: EdgeSettings) -> dict[str, Any]:
         "stat_prefix": "edge",
         "codec_type": "AUTO",
         "generate_request_id": True,
+        # Every answer names its request, the caller's x-request-id or Envoy's.
+        "always_set_request_id_in_response": True,
         "route_config": {
             "name": "mesh",
             "virtual_hosts": [{"name": "mesh", "domains": ["*"], "routes": _routes(settings)}],
@@ -374,6 +399,8 @@ def build_config(settings: EdgeSettings) -> dict[str, Any]:
     ]
     if settings.otlp_endpoint:
         clusters.append(_cluster("otlp", settings.otlp_endpoint, http2=True, health=None))
+    if settings.trace_store:
+        clusters.append(_cluster("tracestore", settings.trace_store, http2=False, health=None))
     return {
         # Admin (drain, stats, quit) only for this user, never over TCP.
         "admin": {"address": {"pipe": {"path": str(settings.admin_socket), "mode": 0o600}}},

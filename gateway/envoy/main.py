@@ -92,6 +92,9 @@ class EdgeConfig(ServiceConfig):
     """Private key of tls_cert."""
     access_log: bool = True
     """Write Envoy's access log to stdout."""
+    trace_store: str | None = None
+    """host:port of the trace store's query port: /traces and Jaeger's /api go there (the
+    local supervisor sets it when it runs the store)."""
 
 
 def settings_from(config: EdgeConfig, workdir: Path) -> EdgeSettings:
@@ -130,6 +133,7 @@ def settings_from(config: EdgeConfig, workdir: Path) -> EdgeSettings:
         tls_cert=config.tls_cert,
         tls_key=config.tls_key,
         otlp_endpoint=config.otlp_endpoint,
+        trace_store=config.trace_store,
         access_log=config.access_log,
         upstream_tls=_upstream_tls(config),
     )
