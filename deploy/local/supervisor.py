@@ -42,6 +42,7 @@ import yaml
 from deploy.local.placement import CorePlacer, Placement
 from deploy.local.port_plan import Listener, PortPlanError, check_ports
 from deploy.local.service_process import ManagedProcess, ProcessSpec, log
+from deploy.local.trace_store import plan_traces, route_edge
 from shared.engine_cores import ENGINE_CORES_ENV, engine_cores, format_cores
 
 MESH_READY_MARKER = "MESHSERVE_MESH_READY"
@@ -194,7 +195,11 @@ async def supervise(args: argparse.Namespace) -> int:
             mesh, repository, args.ports == "auto", {k: int(v) for k, v in replicas.items()}
         )
         host = (mesh.get("defaults") or {}).get("host", "127.0.0.1")
-        check_ports(listeners([*stage_specs, orchestrator_spec, *edge_specs]), host)
+        planned = listeners([*stage_specs, orchestrator_spec, *edge_specs])
+        auto = args.ports == "auto"
+        traces = plan_traces(mesh, auto, host, [p.port for p in planned], free_port)
+        edge_specs = route_edge(edge_specs, traces)
+        check_ports([*planned, *traces.listeners], host)
     except PortPlanError as exc:
         log(f"not starting the mesh: {exc}")
         return 2
@@ -205,7 +210,7 @@ async def supervise(args: argparse.Namespace) -> int:
     cores = engine_cores()
 
     def managed_group(specs: Sequence[ProcessSpec]) -> list[ManagedProcess]:
-        environment = {ENGINE_CORES_ENV: format_cores(cores)}
+        environment = {ENGINE_CORES_ENV: format_cores(cores), **traces.environment}
         delays = (float(backoff[0]), float(backoff[1]))
         return [
             ManagedProcess(
@@ -214,19 +219,24 @@ async def supervise(args: argparse.Namespace) -> int:
             for spec in specs
         ]
 
+    tracing = managed_group(traces.specs)
     managed = managed_group(stage_specs)
     [orchestrator] = managed_group([orchestrator_spec])
     edge = managed_group(edge_specs)
     tasks: list[asyncio.Task[None]] = []
     try:
-        # Inside out: stages, then the orchestrator, then the edge; each group
-        # starts once the one it talks to is ready.
-        for name, group in (("stages", managed), ("orchestrator", [orchestrator]), ("edge", edge)):
+        # Inside out: the trace store (every other process exports to it), stages,
+        # then the orchestrator, then the edge; each group starts once the one it
+        # talks to is ready.
+        starts = [("trace store", tracing), ("stages", managed), ("orchestrator", [orchestrator])]
+        for name, group in (*starts, ("edge", edge)):
             shutdown.phase = f"starting (waiting for the {name} to be ready)"
             tasks += [asyncio.create_task(m.run()) for m in group]
             if not await _wait_ready(group, shutdown.stop, args.ready_timeout_s):
                 return 0 if shutdown.stop.is_set() else 1
         _announce(orchestrator, [*managed, *edge], repository)
+        if traces.query_address:
+            log(f"traces: http://{traces.query_address}/traces (and Jaeger's /api/traces)")
         if settings.get("cpu_placement", "auto") == "auto":
             processes = [*managed, orchestrator, *edge]
             tasks.append(asyncio.create_task(_keep_placed(processes, cores)))
@@ -234,7 +244,7 @@ async def supervise(args: argparse.Namespace) -> int:
         await shutdown.stop.wait()
         return 0
     finally:
-        await _stop_all([edge, [orchestrator], managed], tasks)
+        await _stop_all([edge, [orchestrator], managed, tracing], tasks)
 
 
 async def _stop_all(
