@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.envoy.access import JwtAuth, RateLimit, access_filters, route_rate_limits
+from gateway.envoy.cors import cors_filters, cors_policy
 from gateway.envoy.upstream_tls import UpstreamTls, secure
 
 __all__ = ["EdgeSettings", "JwtAuth", "Limits", "RateLimit", "build_config"]
@@ -77,6 +78,8 @@ class EdgeSettings:
     extra_clusters: tuple[dict[str, Any], ...] = field(default_factory=tuple)
     upstream_tls: UpstreamTls | None = None
     """Mutual TLS toward the orchestrator and the HTTP adapter (upstream_tls.py)."""
+    cors_origins: tuple[str, ...] = ()
+    """Browser origins allowed to call the edge (cors.py); empty: CORS off."""
 
 
 def _address(host_port: str) -> dict[str, Any]:
@@ -233,11 +236,14 @@ def _trace_routes(settings: EdgeSettings, timeout: str) -> list[dict[str, Any]]:
 def _http_filters(settings: EdgeSettings) -> list[dict[str, Any]]:
     # grpc-web first: once it is plain gRPC, every later local reply (401, 429)
     # goes back as a gRPC status, re-encoded for the browser on the way out.
+    # CORS before all: a preflight is answered before auth (it carries no token),
+    # and local replies (401, 429) reach the page with CORS headers.
     filters: list[dict[str, Any]] = [
+        *cors_filters(settings.cors_origins),
         {
             "name": "envoy.filters.http.grpc_web",
             "typed_config": {"@type": f"{_TYPES}.filters.http.grpc_web.v3.GrpcWeb"},
-        }
+        },
     ]
     # 401, then 403, then 429: see access.py.
     filters += access_filters(settings.auth, settings.rate_limit)
@@ -290,7 +296,14 @@ def _connection_manager(settings: EdgeSettings) -> dict[str, Any]:
         "always_set_request_id_in_response": True,
         "route_config": {
             "name": "mesh",
-            "virtual_hosts": [{"name": "mesh", "domains": ["*"], "routes": _routes(settings)}],
+            "virtual_hosts": [
+                {
+                    "name": "mesh",
+                    "domains": ["*"],
+                    "routes": _routes(settings),
+                    **cors_policy(settings.cors_origins),
+                }
+            ],
         },
         "http_filters": _http_filters(settings),
         # The path roles are matched on is the path the adapter routes on:

@@ -25,6 +25,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Annotated
 
 import envoy
 import yaml
@@ -92,6 +93,11 @@ class EdgeConfig(ServiceConfig):
     """Private key of tls_cert."""
     access_log: bool = True
     """Write Envoy's access log to stdout."""
+    cors_origins: list[Annotated[str, Field(pattern=r"^(\*|https?://[^/\s]+)$")]] = Field(
+        default_factory=list
+    )
+    """Browser origins (scheme://host[:port], or *) allowed to call the edge: Envoy answers
+    their CORS preflights and marks answers to them; empty: CORS off."""
     trace_store: str | None = None
     """host:port of the trace store's query port: /traces and Jaeger's /api go there (the
     local supervisor sets it when it runs the store)."""
@@ -136,6 +142,7 @@ def settings_from(config: EdgeConfig, workdir: Path) -> EdgeSettings:
         trace_store=config.trace_store,
         access_log=config.access_log,
         upstream_tls=_upstream_tls(config),
+        cors_origins=tuple(config.cors_origins),
     )
 
 
