@@ -5,6 +5,8 @@ The servicer translates only: proto -> the table's calls (route_table.py) -> pro
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from meshserve.v1 import routes_pb2 as rapi
@@ -13,11 +15,9 @@ from services.orchestrator.core import Orchestrator
 from services.orchestrator.route_table import RouteStatus
 from services.orchestrator.routes import (
     LATEST,
-    RollbackSpec,
     RouteSpec,
-    ShadowSpec,
-    TargetSpec,
     build_route,
+    parse_spec,
 )
 from services.orchestrator.servicer import Context
 from shared.errors import InvalidArgument
@@ -98,39 +98,28 @@ class RouteApiServicer(rapi_grpc.RouteServiceServicer):
 
 def spec_from_proto(route: rapi.Route) -> RouteSpec:
     """A Route message as a validated spec (InvalidArgument naming the field)."""
-    try:
-        return RouteSpec(
-            targets=[
-                TargetSpec(model=t.model, version=t.version or LATEST, weight=t.weight)
-                for t in route.targets
-            ],
-            shadow=ShadowSpec(
-                model=route.shadow.model,
-                version=route.shadow.version or LATEST,
-                fraction=route.shadow.fraction,
-            )
-            if route.HasField("shadow")
-            else None,
-            rollback=RollbackSpec(
-                window_s=route.rollback.window_s or 60.0,
-                min_requests=route.rollback.min_requests or 20,
-                error_ratio_margin=route.rollback.error_ratio_margin,
-                p99_margin_ms=route.rollback.p99_margin_ms or None,
-            )
-            if route.HasField("rollback")
-            else None,
-        )
-    except ValueError as exc:  # pydantic's ValidationError is a ValueError
-        raise InvalidArgument(f"route '{route.name}': {_short(exc)}") from None
-
-
-def _short(exc: ValueError) -> str:
-    errors = getattr(exc, "errors", None)
-    if callable(errors):
-        first = errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        return f"{where}: {first['msg']}" if where else str(first["msg"])
-    return str(exc)
+    document: dict[str, Any] = {
+        "targets": [
+            {"model": t.model, "version": t.version or LATEST, "weight": t.weight}
+            for t in route.targets
+        ]
+    }
+    if route.HasField("shadow"):
+        shadow = route.shadow
+        document["shadow"] = {
+            "model": shadow.model,
+            "version": shadow.version or LATEST,
+            "fraction": shadow.fraction,
+        }
+    if route.HasField("rollback"):
+        policy = route.rollback
+        document["rollback"] = {
+            "window_s": policy.window_s or 60.0,
+            "min_requests": policy.min_requests or 20,
+            "error_ratio_margin": policy.error_ratio_margin,
+            "p99_margin_ms": policy.p99_margin_ms or None,
+        }
+    return parse_spec(route.name, document)
 
 
 def status_to_proto(status: RouteStatus) -> rapi.RouteStatus:

@@ -265,13 +265,17 @@ def check_name(name: str) -> None:
         )
 
 
-def parse_route(name: str, document: Any) -> Route:
-    """A route from a JSON/YAML document; InvalidArgument naming the bad field."""
+def parse_spec(name: str, document: Any) -> RouteSpec:
+    """A route's spec from a JSON/YAML document; InvalidArgument naming the bad field."""
     try:
-        spec = RouteSpec.model_validate(document)
+        return RouteSpec.model_validate(document)
     except ValidationError as exc:
         raise InvalidArgument(f"route '{name}': {_first_error(exc)}") from None
-    return build_route(name, spec)
+
+
+def parse_route(name: str, document: Any) -> Route:
+    """A route from a JSON/YAML document; InvalidArgument naming the bad field."""
+    return build_route(name, parse_spec(name, document))
 
 
 def _first_error(exc: ValidationError) -> str:
