@@ -6,8 +6,9 @@
 kustomize refuses files above its root (short of ``--load-restrictor
 LoadRestrictionsNone``, which ``kubectl apply -k`` does not take), so the rule
 groups and dashboards are copied into the components here: the PrometheusRule
-carries exactly the groups of deploy/prometheus/rules.yml, and one ConfigMap
-carries every dashboard JSON under deploy/grafana/. A test runs ``--check``.
+carries exactly the groups of deploy/prometheus/rules.yml, one ConfigMap every
+dashboard JSON under deploy/grafana/dashboards/, and two more Grafana's
+provisioning files (data sources, dashboard providers). A test runs ``--check``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ K8S = DEPLOY / "k8s"
 RULES_SOURCE = DEPLOY / "prometheus" / "rules.yml"
 DASHBOARDS_SOURCE = DEPLOY / "grafana"
 RULES_TARGET = K8S / "components" / "monitoring" / "prometheusrule.yaml"
-DASHBOARDS_TARGET = K8S / "components" / "grafana" / "dashboards.yaml"
+GRAFANA_TARGET = K8S / "components" / "grafana" / "generated.yaml"
+GRAFANA_CONFIG_MAPS = {
+    "meshserve-grafana-dashboards": "dashboards/*.json",
+    "meshserve-grafana-datasources": "provisioning/datasources/*.yml",
+    "meshserve-grafana-dashboard-providers": "provisioning/dashboards/*.yml",
+}
+"""Each generated ConfigMap and the files under deploy/grafana/ it holds."""
 LABELS = {"app.kubernetes.io/name": "meshserve", "app.kubernetes.io/component": "monitoring"}
 
 
@@ -69,26 +76,28 @@ def prometheus_rule() -> str:
     return _header("deploy/prometheus/rules.yml") + _dump(document)
 
 
-def dashboard_files() -> list[Path]:
-    """Every dashboard JSON under deploy/grafana/, sorted."""
-    return sorted(DASHBOARDS_SOURCE.rglob("*.json")) if DASHBOARDS_SOURCE.is_dir() else []
+def grafana_files(pattern: str) -> list[Path]:
+    """The files under deploy/grafana/ that match ``pattern``, sorted."""
+    return sorted(DASHBOARDS_SOURCE.glob(pattern)) if DASHBOARDS_SOURCE.is_dir() else []
 
 
-def dashboards_config_map() -> str:
-    """One ConfigMap with every dashboard (Grafana's file provider reads its folder)."""
-    data = {path.name: path.read_text() for path in dashboard_files()}
-    document = {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {"name": "meshserve-grafana-dashboards", "labels": LABELS},
-        "data": data,
-    }
-    return _header("deploy/grafana/*.json") + _dump(document)
+def grafana_config_maps() -> str:
+    """The dashboards and Grafana's provisioning files, one ConfigMap per folder."""
+    documents = [
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": name, "labels": LABELS},
+            "data": {path.name: path.read_text() for path in grafana_files(pattern)},
+        }
+        for name, pattern in GRAFANA_CONFIG_MAPS.items()
+    ]
+    return _header("deploy/grafana/") + "---\n".join(_dump(d) for d in documents)
 
 
 def generated() -> dict[Path, str]:
     """Each generated manifest and the text it must hold."""
-    return {RULES_TARGET: prometheus_rule(), DASHBOARDS_TARGET: dashboards_config_map()}
+    return {RULES_TARGET: prometheus_rule(), GRAFANA_TARGET: grafana_config_maps()}
 
 
 def stale() -> list[Path]:

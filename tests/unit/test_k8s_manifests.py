@@ -194,8 +194,25 @@ def test_rule_and_dashboard_copies_are_current(rendered: list[dict[str, Any]]) -
     assert sync.stale() == [], "run: python -m deploy.k8s.sync"
     (rule,) = named(rendered, "PrometheusRule").values()
     assert rule["spec"]["groups"] == sync.rule_groups()
-    dashboards = named(rendered, "ConfigMap")["meshserve-grafana-dashboards"]
-    assert sorted(dashboards.get("data") or {}) == [p.name for p in sync.dashboard_files()]
+    config_maps = named(rendered, "ConfigMap")
+    for name, pattern in sync.GRAFANA_CONFIG_MAPS.items():
+        files = [path.name for path in sync.grafana_files(pattern)]
+        assert files, f"deploy/grafana/{pattern}: nothing to provision"
+        assert sorted(config_maps[name]["data"]) == files
+
+
+def test_grafana_reads_what_its_provisioning_names(rendered: list[dict[str, Any]]) -> None:
+    config_maps = named(rendered, "ConfigMap")
+    grafana = named(rendered, "Deployment")["meshserve-grafana"]["spec"]["template"]["spec"]
+    (container,) = grafana["containers"]
+    env = {e["name"] for e in container["env"]}
+    for text in config_maps["meshserve-grafana-datasources"]["data"].values():
+        for variable in re.findall(r"\$\{(\w+)\}", text):
+            assert variable in env, f"Grafana's data sources read ${{{variable}}}"
+    for text in config_maps["meshserve-grafana-dashboard-providers"]["data"].values():
+        for provider in yaml.safe_load(text)["providers"]:
+            volume = mounted_at(grafana, container, Path(provider["options"]["path"]))
+            assert volume["configMap"]["name"] == "meshserve-grafana-dashboards"
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
@@ -271,6 +288,9 @@ def test_addresses_name_services_that_exist(rendered: list[dict[str, Any]], tmp_
     assert {name: target(address) for name, address in stages.items()} == {s: s for s in STAGES}
     for stage in STAGES:
         assert target(str(getattr(configs[stage], "orchestrator", ""))) == "orchestrator"
+        # A replica gone from DNS is draining: the orchestrator moves its calls
+        # elsewhere before the stage's own grace runs out and cuts them.
+        assert orchestrator.retire_grace_s <= configs[stage].grace_period_s, stage
     edge = configs["envoy"]
     assert isinstance(edge, EdgeConfig)
     assert target(edge.orchestrator) == "orchestrator"
