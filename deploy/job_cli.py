@@ -2,8 +2,9 @@
 
 ::
 
-    meshserve job submit FILE [--model M] [--wait]   FILE: OpenAI batch JSONL, or one
-                                                     KServe v2 JSON request per line (--model)
+    meshserve job submit FILE [--model M] [--wait]   FILE: OpenAI batch JSONL, one KServe
+                                                     v2 JSON request per line (--model), or
+                                                     a folder of images (image_classifier)
     meshserve job status ID [--wait]                 counts and a progress bar
     meshserve job results ID [--errors] [-o FILE]    the result lines (JSONL)
     meshserve job cancel ID
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
 import sys
@@ -24,6 +26,7 @@ from typing import Any
 
 DEFAULT_EDGE = "http://127.0.0.1:8080"
 BAR = 30
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
 def _call(base: str, method: str, path: str, body: bytes | None = None, kind: str = "") -> bytes:
@@ -66,6 +69,26 @@ def batch_lines(text: str, model: str | None) -> tuple[str, str]:
     return "".join(json.dumps(row) + "\n" for row in wrapped), url
 
 
+def image_lines(folder: Path, model: str, input_name: str = "IMAGE") -> str:
+    """One v2 request per image file in ``folder`` (custom_id: the file name), base64 in JSON."""
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise SystemExit(f"error: no images ({', '.join(IMAGE_SUFFIXES)}) in {folder}")
+    rows = []
+    for path in files:
+        tensor = {
+            "name": input_name,
+            "datatype": "BYTES",
+            "shape": [1, 1],
+            "data": [base64.b64encode(path.read_bytes()).decode()],
+            "parameters": {"content_encoding": "base64"},
+        }
+        url = f"/v2/models/{model}/infer"
+        body = {"inputs": [tensor]}
+        rows.append({"custom_id": path.name, "method": "POST", "url": url, "body": body})
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
 def _upload(base: str, name: str, content: bytes) -> str:
     boundary = uuid.uuid4().hex
     parts = [
@@ -106,7 +129,11 @@ def _watch(base: str, batch_id: str, wait: bool) -> int:
 
 def submit(args: argparse.Namespace) -> int:
     """Upload a JSONL file and start a batch job over it."""
-    text, endpoint = batch_lines(args.file.read_text(), args.model)
+    if args.file.is_dir():
+        model = args.model or "image_classifier"
+        text, endpoint = image_lines(args.file, model, args.input), f"/v2/models/{model}/infer"
+    else:
+        text, endpoint = batch_lines(args.file.read_text(), args.model)
     file_id = _upload(args.url, args.file.name, text.encode())
     batch = _json(
         args.url,
@@ -156,8 +183,13 @@ def add_command(commands: Any) -> None:
             "--url", default=DEFAULT_EDGE, help="the mesh's edge (Envoy) (default: %(default)s)"
         )
         if handler is submit:
-            parser.add_argument("file", type=Path, help="JSONL: OpenAI batch lines or v2 requests")
-            parser.add_argument("--model", help="the model v2 request lines are for")
+            parser.add_argument(
+                "file", type=Path, help="JSONL (OpenAI batch lines or v2 requests) or image folder"
+            )
+            parser.add_argument(
+                "--model", help="the model of v2 lines or images (images: image_classifier)"
+            )
+            parser.add_argument("--input", default="IMAGE", help="images: the model's input")
         else:
             parser.add_argument("id", help="the batch id")
         if handler in (submit, status):

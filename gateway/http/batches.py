@@ -21,17 +21,19 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from services.batch.lines import endpoint_ok, parse_file
 from services.batch.store import JobStore
 from shared import jsontext
 from shared.errors import InvalidArgument, Unavailable
 
+Handler = Callable[[web.Request], Awaitable[web.Response]]
 WINDOW = re.compile(r"^\d{1,4}h$")
 """A completion window: hours, as OpenAI writes it ("24h")."""
 RETENTION_S = 7 * 86400
@@ -151,17 +153,32 @@ class BatchApi:
 
     def add_routes(self, app: web.Application) -> None:
         """Mount the routes on ``app`` and close the store with it."""
-        router = app.router
-        router.add_post("/v1/files", self.upload)
-        router.add_get("/v1/files", self.files)
-        router.add_get("/v1/files/{id}", self.file)
-        router.add_get("/v1/files/{id}/content", self.content)
-        router.add_delete("/v1/files/{id}", self.delete)
-        router.add_post("/v1/batches", self.create)
-        router.add_get("/v1/batches", self.batches)
-        router.add_get("/v1/batches/{id}", self.batch)
-        router.add_post("/v1/batches/{id}/cancel", self.cancel)
+        routes = [
+            ("POST", "/v1/files", self.upload),
+            ("GET", "/v1/files", self.files),
+            ("GET", "/v1/files/{id}", self.file),
+            ("GET", "/v1/files/{id}/content", self.content),
+            ("DELETE", "/v1/files/{id}", self.delete),
+            ("POST", "/v1/batches", self.create),
+            ("GET", "/v1/batches", self.batches),
+            ("GET", "/v1/batches/{id}", self.batch),
+            ("POST", "/v1/batches/{id}/cancel", self.cancel),
+        ]
+        for method, path, handler in routes:
+            app.router.add_route(method, path, _queue_errors(handler))
         app.on_cleanup.append(self.close)
+
+
+def _queue_errors(handler: Handler) -> Handler:
+    """``handler``, with Redis being away (restarting) answered 503 instead of 500."""
+
+    async def handle(request: web.Request) -> web.Response:
+        try:
+            return await handler(request)
+        except RedisError as exc:
+            raise Unavailable(f"the job queue is unreachable, retry shortly: {exc}") from exc
+
+    return handle
 
 
 def mount(app: web.Application) -> None:

@@ -9,11 +9,13 @@ that declares ``priority_levels`` serves online requests first.
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import numpy as np
 
 from gateway.http.openai_documents import (
     Generation,
@@ -29,7 +31,8 @@ from inference import grpc_service_pb2_grpc as pb_grpc
 from meshserve.v1 import meshserve_pb2 as api
 from meshserve.v1 import meshserve_pb2_grpc as api_grpc
 from services.batch.lines import V2_URL, BatchLine
-from shared.errors import MeshError, error_for_status
+from shared.errors import InvalidArgument, MeshError, error_for_status
+from shared.tensors import serialize_bytes
 
 TRANSIENT = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
@@ -104,18 +107,26 @@ class LineRunner:
     async def _level(self, model: str) -> int:
         """The priority level v2 lines of ``model`` get: ours, capped at the model's lowest.
 
-        A model without priority levels (or an ensemble: its steps may differ)
-        gets none; it still sees at most ``concurrency`` lines at a time."""
+        A model without priority levels gets none (it still sees at most
+        ``concurrency`` lines at a time); an ensemble passes the level to every
+        step, so it gets one only when each of its steps has levels."""
         if not self.priority:
             return 0
         if model not in self._levels:
-            request = pb.ModelConfigRequest(name=model)
-            reply = await self.v2.ModelConfig(request, timeout=self.timeout_s)
-            self._levels[model] = int(reply.config.dynamic_batching.priority_levels)
+            self._levels[model] = await self._levels_of(model)
         return min(self.priority, self._levels[model])
 
+    async def _levels_of(self, model: str) -> int:
+        request = pb.ModelConfigRequest(name=model)
+        config = (await self.v2.ModelConfig(request, timeout=self.timeout_s)).config
+        steps = [step.model_name for step in config.ensemble_scheduling.step]
+        if config.platform != "ensemble" or not steps:
+            return int(config.dynamic_batching.priority_levels)
+        return min([await self._levels_of(step) for step in steps])
+
     async def _infer(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
-        infer = parse_infer(model, "", json.dumps(body).encode(), None)
+        payload, header_length = binary_body(body)
+        infer = parse_infer(model, "", payload, header_length)
         request: pb.ModelInferRequest = infer.request
         level = await self._level(model)
         if level and "priority" not in request.parameters:
@@ -128,3 +139,42 @@ class LineRunner:
 
 def _refused(error: MeshError) -> Answer:
     return Answer(error.http_status, error_document(error.http_status, error.message, error))
+
+
+def binary_body(body: dict[str, Any]) -> tuple[bytes, str | None]:
+    """A v2 JSON body, its base64 BYTES inputs moved to Triton's binary extension.
+
+    JSON cannot carry raw bytes (an image), so a BYTES input may say
+    ``"parameters": {"content_encoding": "base64"}``: its strings are decoded
+    and sent as binary data (``binary_data_size``), as Triton's clients send it.
+    """
+    inputs = body.get("inputs")
+    if not isinstance(inputs, list):
+        return json.dumps(body).encode(), None
+    tails: list[bytes] = []
+    converted: list[Any] = []
+    for item in inputs:
+        parameters = item.get("parameters") if isinstance(item, dict) else None
+        if not isinstance(parameters, dict) or parameters.get("content_encoding") != "base64":
+            converted.append(item)
+            continue
+        raw = _decoded(str(item.get("name")), item.get("data"))
+        kept = {k: v for k, v in parameters.items() if k != "content_encoding"}
+        entry = {k: v for k, v in item.items() if k not in ("data", "parameters")}
+        converted.append(entry | {"parameters": kept | {"binary_data_size": len(raw)}})
+        tails.append(raw)
+    if not tails:
+        return json.dumps(body).encode(), None
+    header = json.dumps(body | {"inputs": converted}).encode()
+    return header + b"".join(tails), str(len(header))
+
+
+def _decoded(name: str, data: Any) -> bytes:
+    items = data if isinstance(data, list) else [data]
+    try:
+        values = [base64.b64decode(item, validate=True) for item in np.ravel(items).tolist()]
+    except (ValueError, TypeError) as exc:
+        raise InvalidArgument(f"input '{name}': data is not base64: {exc}") from exc
+    array = np.empty(len(values), dtype=object)
+    array[:] = values
+    return serialize_bytes(array)
