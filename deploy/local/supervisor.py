@@ -41,6 +41,7 @@ import yaml
 
 from deploy.local.placement import CorePlacer, Placement
 from deploy.local.port_plan import Listener, PortPlanError, check_ports
+from deploy.local.redis_server import plan_jobs
 from deploy.local.service_process import ManagedProcess, ProcessSpec, log
 from deploy.local.trace_store import plan_traces, route_edge
 from shared.engine_cores import ENGINE_CORES_ENV, engine_cores, format_cores
@@ -195,6 +196,8 @@ async def supervise(args: argparse.Namespace) -> int:
             mesh, repository, args.ports == "auto", {k: int(v) for k, v in replicas.items()}
         )
         host = (mesh.get("defaults") or {}).get("host", "127.0.0.1")
+        jobs = plan_jobs(mesh, args.ports == "auto", f"{host}:{orchestrator_spec.grpc_port}")
+        stage_specs, edge_specs = [*stage_specs, *jobs.redis], [*edge_specs, *jobs.workers]
         planned = listeners([*stage_specs, orchestrator_spec, *edge_specs])
         auto = args.ports == "auto"
         traces = plan_traces(mesh, auto, host, [p.port for p in planned], free_port)
@@ -210,7 +213,11 @@ async def supervise(args: argparse.Namespace) -> int:
     cores = engine_cores()
 
     def managed_group(specs: Sequence[ProcessSpec]) -> list[ManagedProcess]:
-        environment = {ENGINE_CORES_ENV: format_cores(cores), **traces.environment}
+        environment = {
+            ENGINE_CORES_ENV: format_cores(cores),
+            **jobs.environment,
+            **traces.environment,
+        }
         delays = (float(backoff[0]), float(backoff[1]))
         return [
             ManagedProcess(
