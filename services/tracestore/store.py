@@ -262,8 +262,11 @@ class TraceStore:
     def summaries(
         self, order: Order, limit: int, model: str | None = None, error: bool | None = None
     ) -> list[TraceSummary]:
-        """Recent or slowest traces, optionally of one model or one outcome."""
-        where: list[str] = ["1"]
+        """Recent or slowest requests to a model, optionally of one model or one outcome.
+
+        Traces that name no model (health checks, discovery) are left out.
+        """
+        where: list[str] = ["model IS NOT NULL"]
         args: list[Any] = []
         if model:
             where.append("model = ?")

@@ -61,6 +61,13 @@ class Waterfall:
         """Plain JSON (what ``--json`` prints and the page reads)."""
         return asdict(self)
 
+    @classmethod
+    def from_json(cls, document: dict[str, Any]) -> Waterfall:
+        """The inverse of ``as_json``."""
+        rows = [Row(**row) for row in document["rows"]]
+        fields = {k: v for k, v in document.items() if k != "rows"}
+        return cls(**fields, rows=rows)
+
 
 def _int(value: Any) -> int | None:
     return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
