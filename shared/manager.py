@@ -26,6 +26,7 @@ from inference import model_config_pb2 as mc
 from shared.backend import Backend, CompletingBackend, ModelSpec, config_parameters
 from shared.errors import ConfigError, InvalidArgument, MeshError, NotFound, Unavailable
 from shared.model import ModelVersion
+from shared.queue_bounds import DEFAULTS, QueueDefaults
 from shared.repository import (
     CONFIG_FILE,
     ModelEntry,
@@ -59,10 +60,13 @@ class ModelManager:
         repository: ModelRepository,
         backends: Mapping[str, Backend],
         metrics: Metrics | None = None,
+        queue_defaults: QueueDefaults = DEFAULTS,
     ) -> None:
         self.repository = repository
         self.backends = dict(backends)
         self.metrics = metrics
+        self.queue_defaults = queue_defaults
+        """Queue bounds for the models whose config sets none."""
         self._versions: dict[str, dict[int, ModelVersion]] = {}
         self._failed: dict[str, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -182,7 +186,7 @@ class ModelManager:
             config=entry.config,
             parameters=config_parameters(entry.config),
         )
-        return ModelVersion(spec, backend, self.metrics)
+        return ModelVersion(spec, backend, self.metrics, self.queue_defaults)
 
     async def unload(self, name: str) -> None:
         """Stop serving every version of ``name`` (queued requests finish first)."""

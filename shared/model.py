@@ -35,8 +35,9 @@ from shared.backend import (
     default_intra_op_threads,
     is_decoupled,
 )
-from shared.batcher import BatchPolicy, DynamicBatcher, QueuePolicy
+from shared.batcher import DynamicBatcher
 from shared.errors import ConfigError, InvalidArgument, MeshError, Overloaded, Unavailable
+from shared.queue_bounds import DEFAULTS, QueueDefaults, batch_policy, stream_limit
 from shared.request import InferRequest, InferResponse
 from shared.statistics import Metrics, StatsRecorder
 from shared.tensors import DATATYPES, config_datatype, datatype_of
@@ -103,87 +104,6 @@ class QuickThreadedInstance(ThreadedInstance):
     def execute_now(self, requests: list[InferRequest]) -> list[InferResponse | Exception] | None:
         """The batch run here, on the loop, when the instance says it is cheap; else None."""
         return self._run_inline(requests)
-
-
-QUEUED_BATCHES_PER_INSTANCE = 8
-"""A model whose config bounds no queue may hold this many full batches per
-instance queued (per priority level), e.g. 8 x max_batch_size 8 x 2 instances =
-128 requests; one more is refused RESOURCE_EXHAUSTED (HTTP 429) at once instead
-of waiting without end. The ``max_queue_size`` parameter (0: unbounded) or
-Triton's ``default_queue_policy.max_queue_size`` replace it."""
-
-DEFAULT_QUEUE_TIMEOUT_US = 30_000_000
-"""A request that waited this long in a queue (30 s) fails UNAVAILABLE, unless
-the config sets Triton's ``default_timeout_microseconds`` or the
-``queue_timeout_us`` parameter (0: no timeout)."""
-
-STREAMS_PER_INSTANCE = 256
-"""A decoupled model (no batcher) runs at most this many streams per instance at
-once unless its ``max_queue_size`` parameter says otherwise (0: unbounded)."""
-
-
-def _count_parameter(config: mc.ModelConfig, key: str) -> int | None:
-    """A non-negative integer parameter; None when the config does not set it."""
-    if key not in config.parameters:
-        return None
-    value = config.parameters[key].string_value.strip()
-    if not value.isdigit():
-        raise ConfigError(
-            f"model '{config.name}': parameter {key} must be an integer >= 0, got {value!r}"
-        )
-    return int(value)
-
-
-def default_queue_size(config: mc.ModelConfig, instances: int) -> int:
-    """The per-level queue bound of a config that sets none (0: unbounded)."""
-    configured = _count_parameter(config, "max_queue_size")
-    if configured is not None:
-        return configured
-    return QUEUED_BATCHES_PER_INSTANCE * max(1, config.max_batch_size) * max(1, instances)
-
-
-def default_queue_timeout_us(config: mc.ModelConfig) -> int:
-    """The queue timeout of a config that sets none (0: no timeout)."""
-    configured = _count_parameter(config, "queue_timeout_us")
-    return DEFAULT_QUEUE_TIMEOUT_US if configured is None else configured
-
-
-def stream_limit(config: mc.ModelConfig, instances: int) -> int:
-    """How many streams a decoupled model runs at once (0: unbounded)."""
-    configured = _count_parameter(config, "max_queue_size")
-    return STREAMS_PER_INSTANCE * max(1, instances) if configured is None else configured
-
-
-def batch_policy(config: mc.ModelConfig, instances: int = 1) -> BatchPolicy:
-    """Triton's dynamic_batching settings as a BatchPolicy; a queue policy that
-    sets no size or timeout gets the bounded defaults above."""
-    dyn = config.dynamic_batching
-    size = default_queue_size(config, instances)
-    timeout_us = default_queue_timeout_us(config)
-
-    def queue_policy(policy: mc.ModelQueuePolicy) -> QueuePolicy:
-        return QueuePolicy(
-            timeout_action="DELAY"
-            if policy.timeout_action == mc.ModelQueuePolicy.DELAY
-            else "REJECT",
-            default_timeout_us=policy.default_timeout_microseconds or timeout_us,
-            allow_timeout_override=policy.allow_timeout_override,
-            max_queue_size=policy.max_queue_size or size,
-        )
-
-    return BatchPolicy(
-        max_batch_size=config.max_batch_size,
-        dynamic_batching=config.HasField("dynamic_batching"),
-        preferred_batch_sizes=tuple(dyn.preferred_batch_size),
-        max_queue_delay_us=dyn.max_queue_delay_microseconds,
-        preserve_ordering=dyn.preserve_ordering,
-        priority_levels=dyn.priority_levels,
-        default_priority_level=dyn.default_priority_level,
-        default_queue_policy=queue_policy(dyn.default_queue_policy),
-        priority_queue_policy={
-            level: queue_policy(policy) for level, policy in dyn.priority_queue_policy.items()
-        },
-    )
 
 
 def instance_specs(config: mc.ModelConfig, cuda_devices: int) -> list[InstanceSpec]:
@@ -279,8 +199,15 @@ class ReportsRuntime(Protocol):
 class ModelVersion:
     """A model version from load to unload; ``infer`` and ``stream`` are its request paths."""
 
-    def __init__(self, spec: ModelSpec, backend: Backend, metrics: Metrics | None) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        backend: Backend,
+        metrics: Metrics | None,
+        queue_defaults: QueueDefaults = DEFAULTS,
+    ) -> None:
         self.spec = spec
+        self.queue_defaults = queue_defaults
         self.backend = backend
         self.state = "UNAVAILABLE"
         self.reason = ""
@@ -358,7 +285,7 @@ class ModelVersion:
             threaded = kind(instance_spec, backend_instance, executor, self.stats, self.batched)
             self.instances.append(threaded)
         self.batcher = DynamicBatcher(
-            batch_policy(self.spec.config, len(self.instances)),
+            batch_policy(self.spec.config, len(self.instances), self.queue_defaults),
             self.instances,
             name=f"{self.name}:{self.version}",
             on_pending=self.stats.set_pending,
@@ -371,7 +298,7 @@ class ModelVersion:
                 f"model '{self.name}': backend '{backend.name}' cannot serve decoupled models "
                 "(model_transaction_policy { decoupled: true } is set)"
             )
-        self._stream_limit = stream_limit(self.spec.config, len(specs))
+        self._stream_limit = stream_limit(self.spec.config, len(specs), self.queue_defaults)
         loop = asyncio.get_running_loop()
         for instance_spec in specs:
             # Building an instance may import heavy modules: a worker thread, not the loop.

@@ -19,6 +19,12 @@ from shared.backend import Backend
 from shared.config import ServiceConfig, load_config
 from shared.launch import run_service
 from shared.manager import ModelManager
+from shared.queue_bounds import (
+    DEFAULT_QUEUE_TIMEOUT_US,
+    QUEUED_BATCHES_PER_INSTANCE,
+    STREAMS_PER_INSTANCE,
+    QueueDefaults,
+)
 from shared.repository import ModelRepository
 from shared.server import Hook, ServiceParts
 from shared.servicer import SERVICE_NAME, InferenceServicer, add_to_server
@@ -35,6 +41,23 @@ class StageConfig(ServiceConfig):
     orchestrator: str | None = None
     """The orchestrator (host:port) that models here call for models elsewhere
     (Triton's BLS); unset: they reach only the models of this stage."""
+    default_queued_batches: int = Field(QUEUED_BATCHES_PER_INSTANCE, ge=0, le=1_000_000)
+    """For models whose config bounds no queue: full batches (requests, when unbatched)
+    queued per instance and priority level before RESOURCE_EXHAUSTED; 0: unbounded."""
+    default_queue_timeout_s: float = Field(DEFAULT_QUEUE_TIMEOUT_US / 1e6, ge=0.0, le=86_400.0)
+    """For models whose config sets no queue timeout: longest wait in a queue before
+    UNAVAILABLE; 0: no limit."""
+    default_streams_per_instance: int = Field(STREAMS_PER_INSTANCE, ge=0, le=1_000_000)
+    """For decoupled models whose config sets no max_queue_size: streams open at once per
+    instance before RESOURCE_EXHAUSTED; 0: unbounded."""
+
+    def queue_defaults(self) -> QueueDefaults:
+        """The bounds this stage gives models whose config sets none."""
+        return QueueDefaults(
+            queued_batches_per_instance=self.default_queued_batches,
+            queue_timeout_us=round(self.default_queue_timeout_s * 1e6),
+            streams_per_instance=self.default_streams_per_instance,
+        )
 
 
 @dataclass(frozen=True)
@@ -61,7 +84,10 @@ def build_stage_parts(config: StageConfig, backends: Mapping[str, Backend]) -> S
     """The v2 servicer over a model manager with ``backends``, and its hooks."""
     parts = ServiceParts(servicers=[], service_names=[SERVICE_NAME])
     manager = ModelManager(
-        ModelRepository(config.model_repository), backends, Metrics(parts.registry)
+        ModelRepository(config.model_repository),
+        backends,
+        Metrics(parts.registry),
+        config.queue_defaults(),
     )
     parts.servicers = [(add_to_server, InferenceServicer(manager))]
     context = StageContext(config, manager, parts.registry)

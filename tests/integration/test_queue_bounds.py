@@ -13,7 +13,11 @@ import numpy as np
 import pytest
 
 from inference import grpc_service_pb2 as pb
-from shared.model import QUEUED_BATCHES_PER_INSTANCE
+from inference import grpc_service_pb2_grpc as pb_grpc
+from services.inference.python import PythonBackend
+from shared.queue_bounds import QUEUED_BATCHES_PER_INSTANCE
+from shared.server import MeshServer
+from shared.stage import StageConfig, build_stage_parts
 from shared.tensors import encode_inputs
 from tests.in_process import Mesh, running
 
@@ -91,5 +95,63 @@ def test_a_full_queue_refuses_the_excess_at_once_and_serves_the_rest(repo: Path)
             # Still healthy: ready, and a new request is served.
             assert (await mesh.v2.ServerReady(pb.ServerReadyRequest(), timeout=5)).ready
             await mesh.v2.ModelInfer(_request(0), timeout=10)
+
+    asyncio.run(scenario())
+
+
+# The same model once more, its config bounding its own queue (0: unbounded, no timeout).
+OWN_BOUNDS = SLOW_BATCHED_CONFIG.replace('"slow_batched"', '"own_bounds"') + (
+    'parameters { key: "max_queue_size" value { string_value: "0" } }\n'
+    'parameters { key: "queue_timeout_us" value { string_value: "0" } }\n'
+)
+
+
+def test_a_stage_wide_default_bounds_the_models_that_set_none(repo: Path) -> None:
+    """``default_queued_batches`` and ``default_queue_timeout_s`` (mesh YAML, per stage)
+    replace the built-in defaults for models whose config sets no bound, and only those."""
+    (repo / "own_bounds" / "1").mkdir(parents=True)
+    (repo / "own_bounds" / "config.pbtxt").write_text(OWN_BOUNDS)
+    (repo / "own_bounds" / "1" / "model.py").write_text(SLOW_BATCHED)
+    sent = 4 * MAX_BATCH  # all of it would be served under the built-in bound (8 batches)
+    config = StageConfig(
+        model_repository=repo,
+        default_queued_batches=1,
+        default_queue_timeout_s=BATCH_S / 2,
+        grace_period_s=1,
+    )
+
+    async def burst(stub: pb_grpc.GRPCInferenceServiceStub, model: str) -> list[grpc.StatusCode]:
+        async def one(index: int) -> grpc.StatusCode:
+            request = _request(index)
+            request.model_name = model
+            try:
+                await stub.ModelInfer(request, timeout=30)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            return grpc.StatusCode.OK
+
+        return list(await asyncio.gather(*(one(i) for i in range(sent))))
+
+    async def scenario() -> None:
+        stage = MeshServer(config, build_stage_parts(config, {"python": PythonBackend()}))
+        await stage.start()
+        try:
+            async with grpc.aio.insecure_channel(stage.address) as channel:
+                stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+                bounded = await burst(stub, "slow_batched")
+                own = await burst(stub, "own_bounds")
+        finally:
+            await stage.stop()
+        # One batch runs, one batch's worth waits (then times out behind it), the rest
+        # is refused at once.
+        assert set(bounded) <= {
+            grpc.StatusCode.OK,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            grpc.StatusCode.UNAVAILABLE,
+        }, bounded
+        assert bounded.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= sent - 2 * MAX_BATCH, bounded
+        assert grpc.StatusCode.UNAVAILABLE in bounded, bounded
+        assert grpc.StatusCode.OK in bounded, bounded
+        assert own == [grpc.StatusCode.OK] * sent, own
 
     asyncio.run(scenario())
