@@ -1,26 +1,49 @@
-"""The ``/metrics`` HTTP endpoint, served from a daemon thread."""
+"""The ``/metrics`` HTTP endpoint, served from a daemon thread.
+
+Prometheus's text format by default; the OpenMetrics format when the scraper
+asks for it (``Accept: application/openmetrics-text``), which is the only one
+that carries exemplars: the trace id on histogram buckets (shared/exemplars.py).
+The service's own CPU time and memory (``process_*``) join every registry served.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector
+from prometheus_client.openmetrics import exposition as openmetrics
 
 from shared.statistics import render
 
 
+def negotiate(registry: CollectorRegistry, accept: str) -> tuple[bytes, str]:
+    """The exposition of ``registry`` and its content type, as ``accept`` prefers."""
+    if "application/openmetrics-text" in accept:
+        body: bytes = openmetrics.generate_latest(registry)  # type: ignore[no-untyped-call]
+        return body, openmetrics.CONTENT_TYPE_LATEST
+    return render(registry), CONTENT_TYPE_LATEST
+
+
+def _with_process_metrics(registry: CollectorRegistry) -> None:
+    # Served twice (a test's second server on one registry): already there.
+    with contextlib.suppress(ValueError):
+        registry.register(ProcessCollector(registry=None))
+
+
 def start_metrics_server(host: str, port: int, registry: CollectorRegistry) -> ThreadingHTTPServer:
     """Serve ``registry`` at ``http://host:port/metrics``; port 0 picks a free one."""
+    _with_process_metrics(registry)
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path.split("?")[0] != "/metrics":
                 self.send_error(404, "only /metrics is served here")
                 return
-            body = render(registry)
+            body, content_type = negotiate(registry, self.headers.get("Accept", ""))
             self.send_response(200)
-            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

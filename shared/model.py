@@ -284,8 +284,10 @@ class ModelVersion:
             )
             threaded = kind(instance_spec, backend_instance, executor, self.stats, self.batched)
             self.instances.append(threaded)
+        policy = batch_policy(self.spec.config, len(self.instances), self.queue_defaults)
+        self.stats.set_queue_capacity(policy.default_queue_policy.max_queue_size)
         self.batcher = DynamicBatcher(
-            batch_policy(self.spec.config, len(self.instances), self.queue_defaults),
+            policy,
             self.instances,
             name=f"{self.name}:{self.version}",
             on_pending=self.stats.set_pending,

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 
+from shared.exemplars import trace_exemplar
+
 _US = 1_000
 
 
@@ -198,6 +200,19 @@ class Metrics:
             labels,
             registry=registry,
         )
+        self.queue_capacity = Gauge(
+            "meshserve_queue_capacity",
+            "Most requests the model's queue holds before refusing (0: unbounded)",
+            labels,
+            registry=registry,
+        )
+        self.request_seconds = Histogram(
+            "meshserve_request_duration_seconds",
+            "Time each successful request took in the service, queue and compute",
+            labels,
+            registry=registry,
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
         self.queue_seconds = Histogram(
             "meshserve_queue_duration_seconds",
             "Time each request waited in the queue",
@@ -243,6 +258,8 @@ class _VersionSeries:
         self._labels = labels
         self.success = metrics.success.labels(*labels)
         self.request_us = metrics.request_us.labels(*labels)
+        self.request_seconds = metrics.request_seconds.labels(*labels)
+        self.queue_capacity = metrics.queue_capacity.labels(*labels)
         self.queue_us = metrics.queue_us.labels(*labels)
         self.queue_seconds = metrics.queue_seconds.labels(*labels)
         self.inferences = metrics.inferences.labels(*labels)
@@ -278,7 +295,9 @@ class StatsRecorder:
             self._series.success.inc()
             self._series.request_us.inc(duration_ns / _US)
             self._series.queue_us.inc(queue_ns / _US)
-            self._series.queue_seconds.observe(queue_ns / 1e9)
+            exemplar = trace_exemplar()  # called in the request's span
+            self._series.request_seconds.observe(duration_ns / 1e9, exemplar)
+            self._series.queue_seconds.observe(queue_ns / 1e9, exemplar)
         else:
             self._series.failed(reason or "OTHER")
 
@@ -309,3 +328,8 @@ class StatsRecorder:
         """The number of queued requests right now."""
         if self._series is not None:
             self._series.pending.set(count)
+
+    def set_queue_capacity(self, count: int) -> None:
+        """The queue's bound (0: unbounded), against which pending is measured."""
+        if self._series is not None:
+            self._series.queue_capacity.set(count)

@@ -59,6 +59,7 @@ from services.inference.vllm_settings import EngineSettings, Sampling, dtype_nam
 from shared.backend import InstanceSpec, ModelSpec
 from shared.engine_cores import engine_cores, enter_engine_cores
 from shared.errors import ConfigError, InvalidArgument, MeshError, Overloaded, Unavailable
+from shared.exemplars import trace_exemplar
 from shared.request import InferRequest, InferResponse
 
 if TYPE_CHECKING:
@@ -183,7 +184,7 @@ class _RequestTimer:
         now = time.monotonic()
         series = self.series
         if self.last is None:
-            series.time_to_first_token.observe(now - self.started)
+            series.time_to_first_token.observe(now - self.started, trace_exemplar())
             series.prompt_tokens.inc(prompt_tokens)
         else:
             for _ in range(count):
@@ -194,7 +195,7 @@ class _RequestTimer:
     def done(self, finish_reason: str) -> None:
         """The request ended (``abort`` when it was cancelled)."""
         series = self.series
-        series.request_duration.observe(time.monotonic() - self.started)
+        series.request_duration.observe(time.monotonic() - self.started, trace_exemplar())
         series.finished(finish_reason)
 
 
