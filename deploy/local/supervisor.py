@@ -34,6 +34,7 @@ import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from deploy.local.placement import CorePlacer, Placement
 from deploy.local.port_plan import Listener, PortPlanError, check_ports
 from deploy.local.redis_server import plan_jobs
 from deploy.local.service_process import ManagedProcess, ProcessSpec, log
+from deploy.local.supervisor_metrics import metrics_port, serve_metrics, stop_metrics
 from deploy.local.trace_store import plan_traces, route_edge
 from shared.engine_cores import ENGINE_CORES_ENV, engine_cores, format_cores
 
@@ -143,14 +145,14 @@ def listeners(specs: Sequence[ProcessSpec]) -> list[Listener]:
 
 def _edge(ports: Any, orchestrator: str, host: str) -> list[ProcessSpec]:
     """The HTTP adapter and Envoy, both pointed at the orchestrator."""
-    adapter_port, _ = ports("http_adapter", 0)
+    adapter_port, adapter_metrics = ports("http_adapter", 0)
     envoy_port, _ = ports("envoy", 0)
     adapter = ProcessSpec(
         "http_adapter",
         "http_adapter",
         "gateway.http.main",
         adapter_port,
-        -1,
+        adapter_metrics,
         ("--orchestrator", orchestrator),
         port_flag="--http-port",
     )
@@ -230,6 +232,9 @@ async def supervise(args: argparse.Namespace) -> int:
     managed = managed_group(stage_specs)
     [orchestrator] = managed_group([orchestrator_spec])
     edge = managed_group(edge_specs)
+    # Restart counts: only the supervisor sees a process go and come back.
+    port = metrics_port(settings, args.ports == "auto")
+    metrics = serve_metrics(host, port, [*managed, orchestrator, *edge])
     tasks: list[asyncio.Task[None]] = []
     try:
         # Inside out: the trace store (every other process exports to it), stages,
@@ -241,7 +246,7 @@ async def supervise(args: argparse.Namespace) -> int:
             tasks += [asyncio.create_task(m.run()) for m in group]
             if not await _wait_ready(group, shutdown.stop, args.ready_timeout_s):
                 return 0 if shutdown.stop.is_set() else 1
-        _announce(orchestrator, [*managed, *edge], repository)
+        _announce(orchestrator, [*managed, *edge], repository, metrics)
         if traces.query_address:
             log(f"traces: http://{traces.query_address}/traces (and Jaeger's /api/traces)")
         if settings.get("cpu_placement", "auto") == "auto":
@@ -251,6 +256,7 @@ async def supervise(args: argparse.Namespace) -> int:
         await shutdown.stop.wait()
         return 0
     finally:
+        stop_metrics(metrics)
         await _stop_all([edge, [orchestrator], managed, tracing], tasks)
 
 
@@ -338,12 +344,16 @@ async def _wait_ready(
 
 
 def _announce(
-    orchestrator: ManagedProcess, stages: Sequence[ManagedProcess], repository: Path
+    orchestrator: ManagedProcess,
+    stages: Sequence[ManagedProcess],
+    repository: Path,
+    metrics: ThreadingHTTPServer | None = None,
 ) -> None:
     info = {
         "repository": str(repository),
         "orchestrator": orchestrator.address,
         "orchestrator_metrics_port": orchestrator.spec.metrics_port,
+        "supervisor_metrics_port": metrics.server_address[1] if metrics else -1,
         "processes": {
             p.spec.name: {
                 "grpc": p.address,
