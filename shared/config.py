@@ -46,6 +46,8 @@ class ServiceConfig(BaseModel):
     """OTLP/gRPC trace collector (host:port); None exports no spans."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Root log level."""
+    log_format: Literal["text", "json"] = "text"
+    """Log lines as text, or as JSON with the current trace_id and span_id (shared/logs.py)."""
     mtls_cert: Path | None = None
     """Mutual TLS between services (with mtls_key, mtls_ca): this process's certificate
     chain (PEM), served on its port and shown to the services it calls."""

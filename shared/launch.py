@@ -28,7 +28,7 @@ def announce(server: MeshServer) -> None:
 
 async def run_service(config: ServiceConfig, parts: ServiceParts) -> None:
     """Set up logging, serve, and announce readiness."""
-    setup_logging(config.log_level)
+    setup_logging(config.log_level, config.log_format, config.service_name)
     try:
         await serve(config, parts, on_ready=announce)
     except Exception as exc:

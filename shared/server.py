@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
+from shared import logs
 from shared.channels import use_mesh_tls
 from shared.config import ServiceConfig
 from shared.interceptors import DrainGate, ErrorInterceptor, TracingInterceptor
@@ -203,6 +204,6 @@ async def serve(
             loop.remove_signal_handler(sig)
 
 
-def setup_logging(level: str) -> None:
-    """Plain, greppable log lines with the service's level."""
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def setup_logging(level: str, log_format: str = "text", service: str = "") -> None:
+    """Plain, greppable log lines (or JSON lines with trace ids) at the service's level."""
+    logs.configure(level, log_format, service)

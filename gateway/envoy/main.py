@@ -295,7 +295,7 @@ async def run(config: EdgeConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse the config once and run Envoy until SIGTERM."""
     config = load_config(EdgeConfig, argv, service="envoy")
-    setup_logging(config.log_level)
+    setup_logging(config.log_level, config.log_format, config.service_name)
     raise SystemExit(asyncio.run(run(config)))
 
 

@@ -149,7 +149,7 @@ async def serve(config: HttpAdapterConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse the config once and serve until SIGTERM."""
     config = load_config(HttpAdapterConfig, argv, service=SERVICE)
-    setup_logging(config.log_level)
+    setup_logging(config.log_level, config.log_format, config.service_name)
     try:
         asyncio.run(serve(config))
     except OSError as exc:

@@ -106,7 +106,7 @@ async def serve(config: TraceStoreConfig, folder: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse the config once and serve until SIGTERM."""
     config = load_config(TraceStoreConfig, argv, service=SERVICE)
-    setup_logging(config.log_level)
+    setup_logging(config.log_level, config.log_format, config.service_name)
     try:
         with tempfile.TemporaryDirectory(prefix="meshserve-traces-") as folder:
             asyncio.run(serve(config, Path(folder)))

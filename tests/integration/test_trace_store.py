@@ -43,6 +43,7 @@ JAEGER_SPAN_KEYS = {
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     database = tmp_path_factory.mktemp("traces") / "traces.sqlite"
     args = ["--otlp-http-port", "0", "--http-port", "0", "--database", str(database)]
+    args += ["--log-format", "json"]
     process = ServiceProcess("services.tracestore.main", args)
     yield process
     process.stop()
@@ -221,3 +222,11 @@ def test_spans_past_the_age_or_size_bound_are_dropped(tmp_path: Path) -> None:
         assert store.trace(f"{399:032x}") == [] and store.trace("f" * 32) != []
     finally:
         store.close()
+
+
+def test_json_log_lines_carry_trace_and_span_ids(store: ServiceProcess) -> None:
+    lines = [json.loads(line) for line in store.logs().splitlines() if line.startswith("{")]
+    assert lines, store.logs()
+    for line in lines:
+        assert {"time", "level", "logger", "service", "message", "trace_id", "span_id"} <= set(line)
+        assert line["service"] == "tracestore"
