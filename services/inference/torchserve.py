@@ -78,8 +78,11 @@ def _intermediate(ret: Any, req_id_map: Any, message: Any, code: Any, *rest: Any
 
 
 # The worker's socket to TorchServe's front end is not here: intermediate
-# responses are collected by the instance instead of framed for that socket.
+# responses are collected by the instance instead of framed for that socket,
+# and the [METRICS] lines a worker logs for the front end to parse are not
+# written (the ts_* metrics are exported by the stage, torchserve_metrics.py).
 ts_utils.create_predict_response = _intermediate
+logging.getLogger("ts.metrics").setLevel(logging.WARNING)
 
 
 class _Collector:
@@ -179,6 +182,8 @@ class TorchServeInstance:
         module, function = _handler_module(folder, str(manifest["model"]["handler"]), unique)
         self.handle, initialize = _entry_point(module, function)
         gpu = int(instance.device.split(":")[1]) if instance.device.startswith("cuda") else None
+        metrics_cache = MetricsCacheYamlImpl(config_file_path=str(_METRICS_YAML))
+        metrics_cache.model_name = spec.name
         service = Service(
             spec.name,
             str(folder),
@@ -187,15 +192,30 @@ class TorchServeInstance:
             gpu,
             max(spec.config.max_batch_size, 1),
             True,
-            MetricsCacheYamlImpl(config_file_path=str(_METRICS_YAML)),
+            metrics_cache,
         )
         self.context: Context = service.context
         initialize(self.context)
 
     def execute(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
-        """Every request's body to ``handle`` at once; one answer per request."""
+        """Every request's body to ``handle`` at once; one answer per request (a
+        request whose input is not one BYTES element gets its own error)."""
+        refused: list[InvalidArgument | None] = []
+        rows: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        for request in requests:
+            try:
+                rows.append(self._row(request))
+                refused.append(None)
+            except InvalidArgument as exc:
+                refused.append(exc)
+        valid = [r for r, error in zip(requests, refused, strict=True) if error is None]
+        answers = iter(self._handle(valid, rows) if valid else [])
+        return [next(answers) if error is None else error for error in refused]
+
+    def _handle(
+        self, requests: list[InferRequest], rows: list[tuple[dict[str, Any], dict[str, Any]]]
+    ) -> list[InferResponse | Exception]:
         started = time.monotonic_ns()
-        rows = [self._row(request) for request in requests]
         collector = _Collector(len(rows))
         context = self.context
         context.request_ids = {i: request.id or str(i) for i, request in enumerate(requests)}
