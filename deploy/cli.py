@@ -4,6 +4,7 @@
     meshserve models [--url HOST:PORT]
     meshserve load NAME [--config JSON] [--url HOST:PORT]
     meshserve unload NAME [--url HOST:PORT]
+    meshserve route list|status|set|define|promote|rollback|delete ... (docs/traffic-management.md)
 
 ``serve`` runs the local supervisor (deploy/local/supervisor.py) on any
 Triton-layout repository; without one it prepares the default models into the
@@ -19,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from deploy import job_cli, mar_import, trace_cli
+from deploy import job_cli, mar_import, route_cli, trace_cli
 from deploy.local import supervisor
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
@@ -111,6 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     _url(unload_parser)
     mar_import.add_arguments(_command(commands, "import-mar", mar_import.import_mar))
     job_cli.add_command(commands)
+    route_cli.add_command(commands)
     trace_cli.add_arguments(_command(commands, "trace", trace_cli.trace))
     return parser
 

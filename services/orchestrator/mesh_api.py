@@ -22,6 +22,7 @@ from inference import grpc_service_pb2 as pb
 from meshserve.v1 import meshserve_pb2 as api
 from meshserve.v1 import meshserve_pb2_grpc as api_grpc
 from services.orchestrator.core import Orchestrator
+from services.orchestrator.route_headers import Invocation, announce_target, take_route_headers
 from services.orchestrator.servicer import Context, timeout_of
 from services.orchestrator.tokenization import (
     MESSAGES,
@@ -118,12 +119,18 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):
         version: str = "",
         outputs: list[str] | None = None,
         timeout_s: float | None = None,
+        caller: Invocation | None = None,
+        announce: bool = True,
     ) -> tuple[pb.ModelInferResponse, dict[str, np.ndarray]]:
         request = pb.ModelInferRequest(model_name=model, model_version=version)
         encode_inputs(request, inputs)
         for name in outputs or []:
             request.outputs.add(name=name)
+        if caller is not None:  # a route's sticky key or override, from the headers
+            take_route_headers(caller, request)
         response = await self.core.infer(request, timeout_s)
+        if caller is not None and announce:
+            await announce_target(caller, response)
         return response, decode_outputs(response)
 
     async def ListModels(
@@ -187,7 +194,12 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):
             raise InvalidArgument("inputs: at least one tensor is required")
         arrays = {tensor.name: tensor_to_array(tensor) for tensor in request.inputs}
         raw, outputs = await self._infer(
-            request.model, arrays, request.version, list(request.outputs), timeout_of(context)
+            request.model,
+            arrays,
+            request.version,
+            list(request.outputs),
+            timeout_of(context),
+            context,
         )
         response = api.InferResponse(model=raw.model_name, version=raw.model_version)
         for tensor in raw.outputs:
@@ -210,6 +222,7 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):
             {"IMAGE": image},
             outputs=["LABELS", "PROBABILITIES"],
             timeout_s=timeout_of(context),
+            caller=context,
         )
         labels, probabilities = outputs["LABELS"][0], outputs["PROBABILITIES"][0]
         response = api.ClassifyResponse(model=model)
@@ -230,8 +243,14 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):
         for start in range(0, len(request.texts), 64):
             chunk = request.texts[start : start + 64]
             texts = np.array([[text.encode()] for text in chunk], dtype=object)
+            # Response headers go out once: the first chunk's answer names its target.
             _, outputs = await self._infer(
-                model, {"TEXT": texts}, outputs=["EMBEDDING"], timeout_s=timeout_of(context)
+                model,
+                {"TEXT": texts},
+                outputs=["EMBEDDING"],
+                timeout_s=timeout_of(context),
+                caller=context,
+                announce=start == 0,
             )
             for vector in outputs["EMBEDDING"]:
                 response.embeddings.add(values=[float(v) for v in vector])
@@ -247,7 +266,7 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):
             raise InvalidArgument("prompt: a non-empty prompt is required")
         inputs = {PROMPT: np.array([request.prompt.encode()], dtype=object)}
         async for delta in self._generate(
-            request.model, inputs, request.sampling, timeout_of(context)
+            request.model, inputs, request.sampling, timeout_of(context), context
         ):
             yield api.GenerateResponse(delta=delta)
 
@@ -256,7 +275,7 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):
     ) -> AsyncIterator[api.ChatResponse]:
         inputs = {MESSAGES: _chat(request.messages)}
         async for delta in self._generate(
-            request.model, inputs, request.sampling, timeout_of(context)
+            request.model, inputs, request.sampling, timeout_of(context), context
         ):
             yield api.ChatResponse(delta=delta)
 
@@ -317,12 +336,18 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):
         inputs: dict[str, np.ndarray],
         sampling: api.SamplingParams,
         timeout_s: float | None,
+        caller: Invocation,
     ) -> AsyncIterator[api.TextDelta]:
         inputs["SAMPLING"] = np.array([sampling_json(sampling).encode()], dtype=object)
         request = pb.ModelInferRequest(model_name=model or DEFAULT_LLM)
         encode_inputs(request, inputs)
+        take_route_headers(caller, request)
+        first = True
         async with contextlib.aclosing(self.core.stream(request, timeout_s)) as responses:
             async for response in responses:
+                if first:  # a route's target, in the response headers
+                    await announce_target(caller, response)
+                    first = False
                 outputs = decode_outputs(response)
                 yield api.TextDelta(
                     text=_text(outputs.get("TEXT_DELTA")),
