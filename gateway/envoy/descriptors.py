@@ -11,7 +11,7 @@ from pathlib import Path
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import FileDescriptor
 
-from meshserve.v1 import meshserve_pb2, routes_pb2
+from meshserve.v1 import jobs_pb2, meshserve_pb2, routes_pb2
 
 
 def descriptor_set(*roots: FileDescriptor) -> descriptor_pb2.FileDescriptorSet:
@@ -36,6 +36,8 @@ def write_mesh_descriptor_set(path: Path) -> Path:
     """Write meshserve.v1's descriptor set (its services' files and their imports) to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(
-        descriptor_set(meshserve_pb2.DESCRIPTOR, routes_pb2.DESCRIPTOR).SerializeToString()
+        descriptor_set(
+            meshserve_pb2.DESCRIPTOR, routes_pb2.DESCRIPTOR, jobs_pb2.DESCRIPTOR
+        ).SerializeToString()
     )
     return path

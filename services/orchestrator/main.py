@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from services.batch.job_api import add_job_api
 from services.orchestrator.core import Orchestrator
 from services.orchestrator.discovery import Resolver
 from services.orchestrator.ensembles import EnsembleRegistry
@@ -97,6 +98,7 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
 
     parts.on_start = [start]
     parts.on_stop = [routes.close, router.stop]
+    add_job_api(parts)  # batch jobs' meshserve.v1 API, when a job queue is configured
     return parts
 
 

@@ -16,6 +16,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -211,6 +213,37 @@ def test_cli_submits_v2_requests_and_reads_results(mesh: Mesh, tmp_path: Path) -
     assert sorted(row["custom_id"] for row in rows) == [f"line-{n}" for n in range(1, 6)]
     missing = meshserve("job", "status", "batch-nope", "--url", url)
     assert missing.returncode != 0 and "404" in missing.stderr and "batch-nope" in missing.stderr
+
+
+def test_meshserve_v1_jobs_transcoded_by_envoy(mesh: Mesh) -> None:
+    edge = f"http://{mesh.info['processes']['envoy']['grpc']}"
+    lines = "".join(json.dumps(line) + "\n" for line in slow_lines(3, 1))
+    body = {"endpoint": "/v2/models/slow/infer", "input_jsonl": lines, "metadata": {"k": "v"}}
+    job = http_json(f"{edge}/api/v1/jobs", body)["job"]
+    assert job["status"] == "in_progress" and job["counts"]["total"] == 3
+    deadline = time.monotonic() + 30
+    while job["status"] != "completed" and time.monotonic() < deadline:
+        time.sleep(0.1)
+        job = http_json(f"{edge}/api/v1/jobs/{job['id']}")["job"]
+    assert job["counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert job.get("output_file_id") and job["metadata"] == {"k": "v"}, job
+    listed = http_json(f"{edge}/api/v1/jobs?limit=1")
+    assert listed["jobs"][0]["id"] == job["id"] and listed["has_more"] is True
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        http_json(f"{edge}/api/v1/jobs/batch-nope")
+    assert missing.value.code == 404
+    with pytest.raises(urllib.error.HTTPError) as bad:
+        http_json(f"{edge}/api/v1/jobs", {"endpoint": "/v1/nope", "input_jsonl": lines})
+    assert bad.value.code == 400 and "endpoint" in bad.value.read().decode()
+
+
+def http_json(url: str, body: Any = None) -> dict[str, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="POST" if data else "GET")
+    request.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        document: dict[str, Any] = json.load(answer)
+        return document
 
 
 def test_job_survives_a_restart_of_redis(mesh: Mesh) -> None:
