@@ -419,6 +419,9 @@ class StageRouter:
                 if not endpoint.abandoned or task.uncancel() > 0:
                     raise
                 last = Unavailable(f"{endpoint.describe()} was retired with the call in flight")
+                log.warning(
+                    "%s was retired with a call for '%s' in flight", endpoint.describe(), model
+                )
             finally:
                 endpoint.calls.discard(task)
                 endpoint.in_flight -= 1
