@@ -43,6 +43,7 @@ _MANAGEMENT_REST_PREFIXES = (
     "/v2/logging",
     "/v2/systemsharedmemory/",
     "/v2/cudasharedmemory/",
+    "/models",  # TorchServe's management API (its own listener: gateway/envoy/torchserve.py)
 )
 _TRACE_SETTING = "/v2/(models/[^/]+(/versions/[^/]+)?/)?trace/setting"
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.envoy import torchserve
 from gateway.envoy.access import JwtAuth, RateLimit, access_filters, route_rate_limits
 from gateway.envoy.cors import cors_filters, cors_policy
 from gateway.envoy.upstream_tls import UpstreamTls, secure
@@ -81,6 +82,8 @@ class EdgeSettings:
     """Mutual TLS toward the orchestrator and the HTTP adapter (upstream_tls.py)."""
     cors_origins: tuple[str, ...] = ()
     """Browser origins allowed to call the edge (cors.py); empty: CORS off."""
+    torchserve_management: str | None = None
+    """host:port of TorchServe's management listener (torchserve.py); none: off."""
 
 
 def _address(host_port: str) -> dict[str, Any]:
@@ -200,6 +203,7 @@ def _routes(settings: EdgeSettings) -> list[dict[str, Any]]:
             "typed_per_filter_config": no_transcoder,
         },
         *_trace_routes(settings, timeout),
+        *torchserve.inference_routes(timeout),
         {
             "match": {"prefix": "/"},
             "direct_response": {"status": 404, "body": {"inline_string": "no route for this path"}},
@@ -420,10 +424,18 @@ def build_config(settings: EdgeSettings) -> dict[str, Any]:
         "admin": {"address": {"pipe": {"path": str(settings.admin_socket), "mode": 0o600}}},
         "overload_manager": _overload(settings),
         "static_resources": {
-            "listeners": [_listener(settings)],
+            "listeners": [_listener(settings), *_torchserve_listener(settings)],
             "clusters": secure(clusters, settings.upstream_tls),
         },
     }
+
+
+def _torchserve_listener(settings: EdgeSettings) -> list[dict[str, Any]]:
+    if not settings.torchserve_management:
+        return []
+    address = _address(settings.torchserve_management)
+    timeout = f"{settings.request_timeout_s:g}s"
+    return [torchserve.management_listener(_listener(settings), address, timeout)]
 
 
 def _overload(settings: EdgeSettings) -> dict[str, Any]:

@@ -93,6 +93,8 @@ class EdgeConfig(ServiceConfig):
     """Private key of tls_cert."""
     access_log: bool = True
     """Write Envoy's access log to stdout."""
+    torchserve_management_port: int = Field(-1, ge=-1, le=65535)
+    """Port of TorchServe's management API (its own listener, on host); -1: off."""
     cors_origins: list[Annotated[str, Field(pattern=r"^(\*|https?://[^/\s]+)$")]] = Field(
         default_factory=list
     )
@@ -143,6 +145,11 @@ def settings_from(config: EdgeConfig, workdir: Path) -> EdgeSettings:
         access_log=config.access_log,
         upstream_tls=_upstream_tls(config),
         cors_origins=tuple(config.cors_origins),
+        torchserve_management=(
+            f"{config.host}:{config.torchserve_management_port}"
+            if config.torchserve_management_port > 0
+            else None
+        ),
     )
 
 
