@@ -45,6 +45,7 @@ from deploy.local.port_plan import Listener, PortPlanError, check_ports
 from deploy.local.redis_server import plan_jobs
 from deploy.local.service_process import ManagedProcess, ProcessSpec, log
 from deploy.local.supervisor_metrics import metrics_port, serve_metrics, stop_metrics
+from deploy.local.torchserve_edge import torchserve_edge
 from deploy.local.trace_store import plan_traces, route_edge
 from shared.engine_cores import ENGINE_CORES_ENV, engine_cores, format_cores
 
@@ -204,7 +205,8 @@ async def supervise(args: argparse.Namespace) -> int:
         auto = args.ports == "auto"
         traces = plan_traces(mesh, auto, host, [p.port for p in planned], free_port)
         edge_specs = route_edge(edge_specs, traces)
-        check_ports([*planned, *traces.listeners], host)
+        edge_specs, management = torchserve_edge(edge_specs, mesh, repository, auto, free_port)
+        check_ports([*planned, *traces.listeners, *management], host)
     except PortPlanError as exc:
         log(f"not starting the mesh: {exc}")
         return 2

@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,9 @@ def kitten_mar(
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     model_file = work / "kitten.pt"
-    scripted: Any = torch.jit.script(_TinyNet().eval())
+    with warnings.catch_warnings():  # TorchScript is what a .mar's serialized file is
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted: Any = torch.jit.script(_TinyNet().eval())
     scripted.save(str(model_file))
     labels = work / "index_to_name.json"
     labels.write_text(json.dumps({str(i): label for i, label in enumerate(KITTEN_LABELS)}))

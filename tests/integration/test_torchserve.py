@@ -1,0 +1,221 @@
+"""TorchServe's users move in unchanged: their .mar archives (built here with the real
+torch-model-archiver), their handlers, and their calls, through Envoy.
+
+One small mesh for the module (inference, preprocess and postprocess stages,
+the orchestrator, the HTTP adapter, Envoy with TorchServe's management
+listener). The seed's flow runs as TorchServe's docs write it, with curl;
+the built-in image_classifier handler over the repository's MobileNetV2
+answers what the mesh's own image_classifier ensemble answers; a batchSize 8
+archive gets its requests in batches.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from PIL import Image
+
+from inference import grpc_service_pb2 as pb
+from inference import grpc_service_pb2_grpc as pb_grpc
+from models.sources import sample_image
+from shared.tensors import decode_outputs, encode_inputs
+from tests.data.torchserve.archives import KITTEN_LABELS, kitten_mar, mobilenet_mar
+from tests.e2e.conftest import start_mesh, stop_mesh
+
+ENSEMBLE_PARTS = ("image_classifier", "image_preprocess", "mobilenet_v2_onnx", "imagenet_top5")
+BATCHED_CONFIG = "batchSize: 8\nmaxBatchDelay: 1000\nminWorkers: 1\nmaxWorkers: 2\n"
+
+MESH = """
+defaults: {{ host: 127.0.0.1, grace_period_s: 3 }}
+services:
+  http_adapter: {{ model_store: "{store}", model_repository: "{repository}" }}
+  envoy: {{ torchserve_management_port: 8081 }}
+supervisor:
+  stages:
+    - {{ name: inference, module: services.inference.main, replicas: 1 }}
+    - {{ name: preprocess, module: services.preprocess.main, replicas: 1 }}
+    - {{ name: postprocess, module: services.postprocess.main, replicas: 1 }}
+  edge: true
+  restart_backoff_s: [0.2, 2.0]
+  cpu_placement: off
+"""
+
+
+@pytest.fixture(scope="module")
+def mesh(
+    prepared_repository: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("torchserve")
+    repository, store = folder / "models", folder / "model-store"
+    repository.mkdir()
+    for name in ENSEMBLE_PARTS:
+        (repository / name).symlink_to(prepared_repository / name, target_is_directory=True)
+    kitten_mar(folder / "kitten", store)
+    kitten_mar(folder / "batched", store, name="kitten_b8", config=BATCHED_CONFIG)
+    mobilenet_mar(folder / "mobilenet", store, prepared_repository)
+    config = folder / "mesh.yaml"
+    config.write_text(MESH.format(store=store, repository=repository))
+    proc, info = start_mesh(repository, config, ["--grace-s", "5"])
+    info["management"] = f"http://127.0.0.1:{management_port(info)}"
+    info["edge"] = f"http://{info['processes']['envoy']['grpc']}"
+    info["folder"] = folder
+    yield info
+    stop_mesh(proc)
+
+
+def management_port(info: dict[str, Any]) -> int:
+    """The free port --ports auto gave TorchServe's management listener (Envoy's flag)."""
+    pid = info["processes"]["envoy"]["pid"]
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return int(args[args.index("--torchserve-management-port") + 1])
+
+
+def call(method: str, url: str, body: bytes | None = None) -> tuple[int, Any]:
+    """One HTTP call; (status, JSON answer)."""
+    request = urllib.request.Request(url, data=body, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def curl(*args: str) -> Any:
+    """The real curl, as TorchServe's docs use it; its JSON answer."""
+    done = subprocess.run(
+        ["curl", "-sS", "--fail-with-body", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return json.loads(done.stdout)
+
+
+def kitten_jpeg(folder: Path) -> Path:
+    """chelsea.png (a tabby cat) as the seed's kitten.jpg."""
+    path = folder / "kitten.jpg"
+    if not path.exists():
+        buffer = io.BytesIO()
+        Image.open(sample_image("chelsea.png")).convert("RGB").save(buffer, "JPEG")
+        path.write_bytes(buffer.getvalue())
+    return path
+
+
+def test_the_seed_flow_runs_unchanged(mesh: dict[str, Any]) -> None:
+    """Register, scale to 2 workers, curl -T a photo, describe, unregister."""
+    admin, edge = mesh["management"], mesh["edge"]
+    registered = curl("-X", "POST", f"{admin}/models?url=kitten.mar&initial_workers=1")
+    assert registered == {"status": 'Model "kitten" Version: 1.0 registered with 1 initial workers'}
+    scaled = curl("-X", "PUT", f"{admin}/models/kitten?min_worker=2&synchronous=true")
+    assert scaled["status"].startswith("Workers scaled to 2")
+
+    answer = curl("-T", str(kitten_jpeg(mesh["folder"])), f"{edge}/predictions/kitten")
+    assert set(answer) == {*KITTEN_LABELS[:0], *[k for k in answer if k != "batch"], "batch"}
+    assert len(answer) == 4 and set(answer) - {"batch"} <= set(KITTEN_LABELS)
+    assert abs(sum(v for k, v in answer.items() if k != "batch") - 1) < 0.5
+
+    [described] = curl(f"{admin}/models/kitten")
+    assert described["modelName"] == "kitten" and described["modelVersion"] == "1.0"
+    assert described["minWorkers"] == 2 and len(described["workers"]) == 2
+    assert {w["status"] for w in described["workers"]} == {"READY"}
+    listed = curl(f"{admin}/models")["models"]
+    assert {"modelName": "kitten", "modelUrl": "kitten.mar"} in listed
+
+    # A normal model of the mesh: in the v2 index, answering v2 inference too.
+    status, index = call("POST", f"{edge}/v2/repository/index", b"{}")
+    assert status == 200 and {"name": "kitten", "version": "1", "state": "READY"} in [
+        {k: row.get(k) for k in ("name", "version", "state")} for row in index
+    ]
+    stub = pb_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(mesh["orchestrator"]))  # type: ignore[no-untyped-call]
+    request = pb.ModelInferRequest(model_name="kitten")
+    jpeg = kitten_jpeg(mesh["folder"]).read_bytes()
+    encode_inputs(request, {"body": np.array([[jpeg]], dtype=np.object_)})
+    v2 = json.loads(decode_outputs(stub.ModelInfer(request, timeout=60))["output"][0, 0])
+    assert v2 == answer
+
+    assert curl("-X", "DELETE", f"{admin}/models/kitten") == {
+        "status": 'Model "kitten" unregistered'
+    }
+    status, missing = call("GET", f"{admin}/models/kitten")
+    assert status == 404 and missing["type"] == "ModelNotFoundException"
+    status, gone = call("POST", f"{edge}/predictions/kitten", jpeg)
+    assert status == 404, gone
+
+
+def test_management_refuses_what_torchserve_refuses(mesh: dict[str, Any]) -> None:
+    admin, edge = mesh["management"], mesh["edge"]
+    status, answer = call("POST", f"{admin}/models?url=https://example.com/x.mar")
+    assert status == 400 and "model store" in answer["message"]
+    status, answer = call("POST", f"{admin}/models?url=../../etc/passwd")
+    assert status == 400 and "outside the model store" in answer["message"]
+    status, answer = call("POST", f"{admin}/models?url=nothing.mar")
+    assert status == 404 and answer["type"] == "ModelNotFoundException"
+    status, answer = call("POST", f"{admin}/models?url=kitten.mar&batch_size=0")
+    assert status == 400 and "batch_size" in answer["message"]
+    # The management API is not on the inference port.
+    status, _ = call("GET", f"{edge}/models")
+    assert status == 404
+    status, pong = call("GET", f"{edge}/ping")
+    assert status == 200 and pong == {"status": "Healthy"}
+
+
+def test_builtin_image_classifier_answers_as_the_mesh_ensemble(mesh: dict[str, Any]) -> None:
+    """The same MobileNetV2 weights, TorchServe's image_classifier handler vs the
+    mesh's image_classifier ensemble: the same top-5 for the same photos."""
+    admin, edge = mesh["management"], mesh["edge"]
+    curl("-X", "POST", f"{admin}/models?url=mobilenet_ts.mar&initial_workers=1&synchronous=true")
+    stub = pb_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(mesh["orchestrator"]))  # type: ignore[no-untyped-call]
+    for photo in ("chelsea.png", "coffee.png"):
+        data = sample_image(photo).read_bytes()
+        status, handler_top5 = call("POST", f"{edge}/predictions/mobilenet_ts", data)
+        assert status == 200, handler_top5
+        request = pb.ModelInferRequest(model_name="image_classifier")
+        encode_inputs(request, {"IMAGE": np.array([[data]], dtype=np.object_)})
+        outputs = decode_outputs(stub.ModelInfer(request, timeout=60))
+        labels = [label.decode() for label in outputs["LABELS"][0]]
+        assert list(handler_top5) == labels, photo
+        assert np.allclose(list(handler_top5.values()), outputs["PROBABILITIES"][0], atol=2e-3)
+    call("DELETE", f"{admin}/models/mobilenet_ts")
+
+
+def test_batch_size_8_runs_concurrent_predictions_in_batches(mesh: dict[str, Any]) -> None:
+    admin, edge = mesh["management"], mesh["edge"]
+    curl("-X", "POST", f"{admin}/models?url=kitten_b8.mar&synchronous=true")
+    [described] = curl(f"{admin}/models/kitten_b8")
+    assert (described["batchSize"], described["maxBatchDelay"]) == (8, 1000)
+    jpeg = kitten_jpeg(mesh["folder"]).read_bytes()
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(
+            pool.map(lambda _: call("POST", f"{edge}/predictions/kitten_b8", jpeg), range(16))
+        )
+    assert all(status == 200 for status, _ in answers), answers
+    batches = [answer["batch"] for _, answer in answers]
+    assert max(batches) > 1 and max(batches) <= 8, batches
+    # The mesh's statistics show it too.
+    status, stats = call("GET", f"{edge}/v2/models/kitten_b8/stats")
+    sizes = {int(row["batch_size"]) for row in stats["model_stats"][0]["batch_stats"]}
+    assert status == 200 and max(sizes) > 1, stats
+    # And TorchServe's own metric names, on the inference stage's /metrics.
+    port = mesh["processes"]["inference-0"]["metrics_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+        text = page.read().decode()
+    counted = [
+        line
+        for line in text.splitlines()
+        if line.startswith("ts_inference_requests_total{") and 'model_name="kitten_b8"' in line
+    ]
+    assert counted and float(counted[0].split()[-1]) >= 16, counted
+    assert "ts_queue_latency_microseconds{" in text
+    assert "ts_inference_latency_microseconds{" in text
