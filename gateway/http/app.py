@@ -19,7 +19,7 @@ from aiohttp import web
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from gateway.http import batches, documents, generate, middleware, openai, rest, sse
+from gateway.http import batches, documents, generate, middleware, openai, rest, route_headers, sse
 from gateway.http.torchserve import TorchServeApi
 from gateway.http.torchserve_management import TorchServeManagement
 from gateway.http.torchserve_store import ModelStore
@@ -222,6 +222,7 @@ async def infer(request: web.Request) -> web.Response:
     body = await _read_body(request)
     header_length = request.headers.get(rest.HEADER_LENGTH)
     call = await _offload(len(body), rest.parse_infer, name, version, body, header_length)
+    route_headers.take(request.headers, call.request)
     answer = await _upstream(request).model_infer(call.request)
     size = sum(len(raw) for raw in answer.raw_output_contents)
     payload, json_length = await _offload(size, rest.render_infer, call, answer)
@@ -230,6 +231,7 @@ async def infer(request: web.Request) -> web.Response:
     else:
         response = web.Response(body=payload, content_type="application/octet-stream")
         response.headers[rest.HEADER_LENGTH] = str(json_length)
+    route_headers.announce(answer, response.headers)
     # Compressed only when the caller asks (Accept-Encoding: gzip or deflate).
     response.enable_compression()
     return response

@@ -43,7 +43,8 @@ def http_cases():
 
     return {
         "metadata": client.get_model_metadata(route)["name"],
-        "override": call(parameters={"route_target": "m:1"}),
+        "override": call(headers={"x-meshserve-route-target": "m:1"}),
+        "override_parameter": call(parameters={"route_target": "m:2"}),
         "sticky": [call(parameters={"route_key": "user-7"}) for _ in range(3)],
     }
 

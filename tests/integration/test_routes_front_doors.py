@@ -140,6 +140,8 @@ def test_tritonclient_grpc_and_http_through_a_route(doors: Doors) -> None:
         assert cases["metadata"] == "canary"
         factor = int(override[-1])
         assert cases["override"] == {"target": override, "Y": [x * factor for x in X]}
+        if protocol == "http":
+            assert cases["override_parameter"] == {"target": "m:2", "Y": [x * 2 for x in X]}
         sticky = cases["sticky"]
         assert sticky[0]["target"] in ("m:1", "m:2") and sticky.count(sticky[0]) == 3
 
@@ -153,6 +155,13 @@ def test_curl_through_envoy_infers_and_changes_the_route(doors: Doors) -> None:
     )  # fmt: skip
     assert headers["x-meshserve-route-target"] == "m:2"
     assert body["outputs"][0]["data"] == [2 * x for x in X]
+    # KServe v2 REST (the HTTP adapter behind Envoy) takes and answers the same headers.
+    headers, body = curl(
+        "-H", json_type, "-H", "x-meshserve-route-target: m:2",
+        "-d", INFER_BODY, f"{url}/v2/models/canary/infer",
+    )  # fmt: skip
+    assert headers["x-meshserve-route-target"] == "m:2"
+    assert body["parameters"] == {"route_target": "m:2"}
 
     _, status = curl(f"{url}/api/v1/routes/canary")
     targets = status["status"]["route"]["targets"]
