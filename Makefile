@@ -10,7 +10,7 @@ KSERVE_PY := .venv-kserve/bin/python
 KSERVE_STAMP := .venv-kserve/.installed
 MESH   ?= deploy/local/mesh.yaml
 
-.PHONY: install models protos lint test test-fast run clean bench bench-llm gpu-check kserve-client system-packages
+.PHONY: install models protos lint test test-fast run clean bench bench-llm gpu-check kserve-client system-packages phoenix
 
 # Debian packages of the real servers and tools the tests drive. `make test`
 # installs the missing ones where apt-get runs as root; elsewhere it names
@@ -50,6 +50,16 @@ $(KSERVE_STAMP): Makefile
 
 kserve-client: $(KSERVE_STAMP)
 
+# Arize Phoenix, the external OTLP trace backend tests/e2e/test_phoenix.py sends
+# spans to: its own venv (about 850 MB; it needs protobuf 7, the mesh 6.x).
+PHOENIX_STAMP := $(CACHE)/venvs/phoenix/.installed
+$(PHOENIX_STAMP):
+	test -x $(CACHE)/venvs/phoenix/bin/python || $(PYTHON) -m venv $(CACHE)/venvs/phoenix
+	$(CACHE)/venvs/phoenix/bin/python -m pip install -q 'arize-phoenix==20.26.1'
+	touch $(PHOENIX_STAMP)
+
+phoenix: $(PHOENIX_STAMP)
+
 system-packages:
 	@missing=""; for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
@@ -73,7 +83,7 @@ lint: $(STAMP) $(BUF)
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
-test: lint models system-packages $(NODE_DEPS) $(KSERVE_STAMP)
+test: lint models system-packages $(NODE_DEPS) $(KSERVE_STAMP) $(PHOENIX_STAMP)
 	MESHSERVE_CACHE=$(CACHE) $(PY) -m pytest -q -p no:cacheprovider --durations=15
 
 test-fast: $(STAMP)
