@@ -37,7 +37,7 @@ ENSEMBLE_PARTS = ("image_classifier", "image_preprocess", "mobilenet_v2_onnx", "
 BATCHED_CONFIG = "batchSize: 8\nmaxBatchDelay: 1000\nminWorkers: 1\nmaxWorkers: 2\n"
 
 MESH = """
-defaults: {{ host: 127.0.0.1, grace_period_s: 3 }}
+defaults: {{ host: 127.0.0.1, grace_period_s: 1 }}
 services:
   http_adapter: {{ model_store: "{store}", model_repository: "{repository}" }}
   envoy: {{ torchserve_management_port: 8081 }}
@@ -47,6 +47,8 @@ supervisor:
     - {{ name: preprocess, module: services.preprocess.main, replicas: 1 }}
     - {{ name: postprocess, module: services.postprocess.main, replicas: 1 }}
   edge: true
+  jobs: {{ enabled: false }}
+  trace_store: false
   restart_backoff_s: [0.2, 2.0]
   cpu_placement: off
 """
@@ -66,7 +68,7 @@ def mesh(
     mobilenet_mar(folder / "mobilenet", store, prepared_repository)
     config = folder / "mesh.yaml"
     config.write_text(MESH.format(store=store, repository=repository))
-    proc, info = start_mesh(repository, config, ["--grace-s", "5"])
+    proc, info = start_mesh(repository, config, ["--grace-s", "2"])
     info["management"] = f"http://127.0.0.1:{management_port(info)}"
     info["edge"] = f"http://{info['processes']['envoy']['grpc']}"
     info["folder"] = folder
