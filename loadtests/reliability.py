@@ -2,7 +2,8 @@
 
     python loadtests/reliability.py [--repository ~/.cache/meshserve/repository]
                                     [--fuzz-cases 10000] [--seed 24] [--soak-minutes 30]
-                                    [--in-flight 16] [--skip fuzz,faults,single,soak]
+                                    [--in-flight 16] [--overload-in-flight 256]
+                                    [--skip fuzz,faults,single,soak,overload,abuse]
 
 In order, each on the default models (the LLM included) under the supervisor:
 
@@ -20,6 +21,12 @@ In order, each on the default models (the LLM included) under the supervisor:
    keeps serving; SIGCONT.
 4. ``single``: a mesh with 1 replica per stage; SIGKILL of each stage: failures
    only UNAVAILABLE, recovery (end of the last failure after the kill) < 10 s.
+5. ``overload`` and 6. ``abuse`` (``loadtests/abuse.py``), on a mesh of the image
+   models: 256 requests in flight on image_classifier (only OK and
+   RESOURCE_EXHAUSTED expected; latencies and RSS); slowloris headers, idle
+   connections, half-sent bodies and unwritten gRPC streams against Envoy while
+   a well-behaved client keeps calling (all its calls answered; the slow and
+   idle connections closed at Envoy's timeouts).
 
 Each part prints its table. The exit status is 1 when an expectation failed.
 """
@@ -27,6 +34,7 @@ Each part prints its table. The exit status is 1 when an expectation failed.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import io
 import json
@@ -42,6 +50,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import abuse
 import faults
 import fuzzer
 import grpc
@@ -51,9 +60,11 @@ from common import (
     DEFAULT_REPOSITORY,
     MESH_READY_MARKER,
     ROOT,
+    MeshInfo,
     format_table,
     install_sigterm_exit,
     missing_models,
+    running_mesh,
     start_supervisor,
 )
 
@@ -340,7 +351,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=24)
     parser.add_argument("--soak-minutes", type=float, default=30.0)
     parser.add_argument("--in-flight", type=int, default=16)
-    parser.add_argument("--skip", default="", help="comma-separated: fuzz,faults,single,soak")
+    parser.add_argument("--overload-in-flight", type=int, default=256)
+    parser.add_argument("--overload-s", type=float, default=20.0)
+    parser.add_argument("--slow", type=int, default=300, help="slowloris connections")
+    parser.add_argument("--idle", type=int, default=1000, help="idle connections")
+    parser.add_argument("--half-open", type=int, default=500, help="half-open requests")
+    parser.add_argument(
+        "--skip", default="", help="comma-separated: fuzz,faults,single,soak,overload,abuse"
+    )
     return parser.parse_args(argv)
 
 
@@ -368,8 +386,47 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows, ok = fault_rows(info, args.in_flight, single=True)
             print(format_table(HEADERS, rows))
             fine &= ok
+    if {"overload", "abuse"} - skip:
+        fine &= run_overload_and_abuse(args, skip)
     print("all expectations held" if fine else "SOME EXPECTATIONS FAILED")
     return 0 if fine else 1
+
+
+def run_overload_and_abuse(args: argparse.Namespace, skip: set[str]) -> bool:
+    """Parts 5 and 6 on a mesh of the image models, Envoy at its default timeouts."""
+    edge = yaml.safe_load((ROOT / "deploy" / "local" / "mesh.yaml").read_text())
+    envoy = edge["services"]["envoy"]
+    limits = {
+        "headers_s": float(envoy["request_headers_timeout_s"]),
+        "idle_s": float(envoy["connection_idle_timeout_s"]),
+    }
+    counts = {"slow": args.slow, "idle": args.idle, "half_open": args.half_open}
+    fine = True
+    with tempfile.TemporaryDirectory(prefix="meshserve-abuse-") as tmp:
+        repository = abuse.image_repository(args.repository, Path(tmp) / "repo")
+        with running_mesh(repository) as info:
+            request = image_request()
+            if "overload" not in skip:
+                fine &= _overload_part(info, args)
+            if "abuse" not in skip:
+                rows, ok = asyncio.run(abuse.run_abuse(info.edge, request, counts, limits))
+                print(format_table([*abuse.ABUSE_HEADERS, "as expected"], rows))
+                fine &= ok
+    return fine
+
+
+def _overload_part(info: MeshInfo, args: argparse.Namespace) -> bool:
+    """Part 5: its table and the RSS of every process; only OK and RESOURCE_EXHAUSTED."""
+    before = {name: rss_mib(pid) for name, pid in info.pids.items()}
+    run = abuse.overload(
+        info.orchestrator, image_request(), args.overload_in_flight, args.overload_s
+    )
+    answers, wall_s = asyncio.run(run)
+    after = {name: rss_mib(pid) for name, pid in info.pids.items()}
+    name = f"{args.overload_in_flight} in flight, {args.overload_s:g} s"
+    print(format_table(abuse.OVERLOAD_HEADERS, [abuse.overload_row(name, answers, wall_s)]))
+    print(abuse.rss_table(before, after))
+    return set(answers.codes) <= {"OK", "RESOURCE_EXHAUSTED"}
 
 
 HEADERS = ["fault run", "requests", "failures by code", "recovery s", "as expected"]
