@@ -30,7 +30,7 @@ from inference import grpc_service_pb2 as pb
 from inference import model_config_pb2 as mc
 from services.orchestrator.ensemble import EnsemblePlan
 from services.orchestrator.ensembles import ENSEMBLE_VERSION, EnsembleRegistry
-from services.orchestrator.route_table import RouteTable
+from services.orchestrator.route_table import SHADOW_TIMEOUT_S, RouteTable
 from services.orchestrator.router import StageRouter
 from services.orchestrator.routes import TARGET_PARAMETER, Route, parse_route
 from services.orchestrator.runner import Deadline, EnsembleRunner
@@ -100,7 +100,10 @@ class Orchestrator:
         if route is not None:
             # A route's targets are models, never routes: no cycle to follow.
             return await self.routes.serve(
-                route, request, lambda forwarded: self._infer_model(forwarded, deadline)
+                route,
+                request,
+                lambda forwarded: self._infer_model(forwarded, deadline),
+                lambda mirrored: self._infer_model(mirrored, Deadline.after(SHADOW_TIMEOUT_S)),
             )
         return await self._infer_model(request, deadline)
 

@@ -104,20 +104,27 @@ class WindowStats:
 
 @dataclass
 class Window:
-    """A target's recent requests: (time, succeeded, seconds)."""
+    """A target's recent requests: (time, succeeded, seconds), and how many failed."""
 
     samples: deque[tuple[float, bool, float]] = field(default_factory=deque)
     since: float = field(default_factory=time.monotonic)
+    errors: int = 0
 
     def add(self, ok: bool, seconds: float, window_s: float) -> None:
         """Record one request and forget those older than ``window_s``."""
         now = time.monotonic()
         self.samples.append((now, ok, seconds))
+        self.errors += not ok
         self._prune(now, window_s)
 
     def _prune(self, now: float, window_s: float) -> None:
         while self.samples and self.samples[0][0] < now - window_s:
-            self.samples.popleft()
+            self.errors -= not self.samples.popleft()[1]
+
+    def counts(self, window_s: float) -> tuple[int, int]:
+        """Requests and errors over the last ``window_s`` (no sorting: cheap per request)."""
+        self._prune(time.monotonic(), window_s)
+        return len(self.samples), self.errors
 
     def stats(self, window_s: float) -> WindowStats:
         """Counts, rate and latency percentiles over the last ``window_s``."""
@@ -127,7 +134,7 @@ class Window:
         span = max(1e-3, min(window_s, now - self.since))
         return WindowStats(
             requests=len(self.samples),
-            errors=sum(1 for _, ok, _ in self.samples if not ok),
+            errors=self.errors,
             rate_per_s=len(self.samples) / span,
             p50_s=_percentile(latencies, 0.50),
             p99_s=_percentile(latencies, 0.99),

@@ -44,6 +44,8 @@ SHADOW_TIMEOUT_S = 60.0
 MAX_SHADOWS_IN_FLIGHT = 64
 """Mirrored requests beyond this many running are skipped, not queued."""
 MAX_EVENTS = 50
+P99_CHECK_INTERVAL_S = 1.0
+"""The latency rule sorts the window's latencies: at most this often per target."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class RouteTable:
         self._events: dict[str, deque[RouteEvent]] = defaultdict(lambda: deque(maxlen=MAX_EVENTS))
         self._shadows: dict[str, ShadowTally] = defaultdict(ShadowTally)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._p99_checked: dict[tuple[str, str], float] = {}
         self.metrics = RouteMetrics(registry)
         self.rng = rng or random.Random()
         for route in routes.values():
@@ -176,9 +179,10 @@ class RouteTable:
         return target
 
     async def serve(
-        self, route: Route, request: pb.ModelInferRequest, call: Call
+        self, route: Route, request: pb.ModelInferRequest, call: Call, mirror_call: Call
     ) -> pb.ModelInferResponse:
-        """One request of ``route``: its target's answer, naming the target; maybe mirrored."""
+        """One request of ``route``: its target's answer (``call``), naming the target;
+        maybe mirrored to the shadow (``mirror_call``: its own deadline, not the caller's)."""
         shadow = route.shadow
         mirror = None
         if shadow and shadow.fraction > 0 and self.rng.random() < shadow.fraction:
@@ -195,7 +199,7 @@ class RouteTable:
             raise
         self.record(route.name, target, True, time.perf_counter() - started)
         if mirror is not None and shadow is not None:
-            self._mirror(route.name, shadow.target, mirror, response, call)
+            self._mirror(route.name, shadow.target, mirror, response, mirror_call)
         response.parameters[TARGET_PARAMETER].string_param = target.id
         return response
 
@@ -216,28 +220,40 @@ class RouteTable:
         live = next((t for t in route.targets[1:] if t.id == target_id and t.weight > 0), None)
         if policy is None or live is None:
             return
-        candidate = self._windows[route.name, target_id].stats(policy.window_s)
-        if candidate.requests < policy.min_requests:
+        window = self._windows[route.name, target_id]
+        requests, errors = window.counts(policy.window_s)
+        if requests < policy.min_requests:
             return
-        primary = self._windows[route.name, route.primary.id].stats(policy.window_s)
+        primary = self._windows[route.name, route.primary.id]
+        primary_requests, primary_errors = primary.counts(policy.window_s)
+        ratio, primary_ratio = errors / requests, primary_errors / max(1, primary_requests)
         reason = ""
-        if candidate.error_ratio > primary.error_ratio + policy.error_ratio_margin:
+        if ratio > primary_ratio + policy.error_ratio_margin:
             reason = "error_ratio"
-            detail = f"error ratio {candidate.error_ratio:.3f} vs {primary.error_ratio:.3f}"
-        elif (
-            policy.p99_margin_ms is not None
-            and primary.requests > 0
-            and (candidate.p99_s - primary.p99_s) * 1000 > policy.p99_margin_ms
-        ):
-            reason = "p99"
-            detail = f"p99 {candidate.p99_s * 1000:.1f} ms vs {primary.p99_s * 1000:.1f} ms"
+            detail = f"error ratio {ratio:.3f} vs {primary_ratio:.3f}"
+        elif policy.p99_margin_ms is not None and primary_requests > 0:
+            detail = self._slower(route.name, target_id, policy.window_s, policy.p99_margin_ms)
+            reason = "p99" if detail else ""
         if not reason:
             return
-        detail += f" over {candidate.requests} requests in {policy.window_s:g} s"
+        detail += f" over {requests} requests in {policy.window_s:g} s"
         log.warning("route %s: rolling back %s automatically (%s)", route.name, target_id, detail)
         self.metrics.rollbacks.labels(route.name, target_id, reason).inc()
         self.rollback(route.name, target_id, f"automatic, {detail}")
         self._events[route.name][-1] = RouteEvent(time.time(), "auto-rollback", target_id, detail)
+
+    def _slower(self, name: str, target_id: str, window_s: float, margin_ms: float) -> str:
+        """The p99 comparison when the candidate's is above the primary's by more than
+        ``margin_ms`` ("" if not); percentiles sort the window, so at most once a second."""
+        now = time.monotonic()
+        if now - self._p99_checked.get((name, target_id), 0.0) < P99_CHECK_INTERVAL_S:
+            return ""
+        self._p99_checked[name, target_id] = now
+        candidate = self._windows[name, target_id].stats(window_s)
+        primary = self._windows[name, self.require(name).primary.id].stats(window_s)
+        if (candidate.p99_s - primary.p99_s) * 1000 <= margin_ms:
+            return ""
+        return f"p99 {candidate.p99_s * 1000:.1f} ms vs {primary.p99_s * 1000:.1f} ms"
 
     # Shadows.
 

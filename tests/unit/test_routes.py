@@ -7,9 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 
 from inference import grpc_service_pb2 as pb
+from services.orchestrator import route_table
 from services.orchestrator.route_shadow import compare
+from services.orchestrator.route_table import RouteTable
 from services.orchestrator.routes import Route, Target, load_routes, parse_route
 from shared.errors import ConfigError, InvalidArgument
 from shared.tensors import encode_outputs
@@ -103,3 +106,44 @@ def test_shadow_comparisons() -> None:
     assert compare(_response(T=text), _response(T=text)).exact_match is True
     other = np.array([b"Lyon"], dtype=object)
     assert compare(_response(T=text), _response(T=other)).exact_match is False
+
+
+def _policy_table(**policy: float) -> RouteTable:
+    spec = {
+        "targets": [{"model": "a", "weight": 50}, {"model": "b", "weight": 50}],
+        "rollback": {"window_s": 30, "min_requests": 20, **policy},
+    }
+    return RouteTable({"r": parse_route("r", spec)}, CollectorRegistry())
+
+
+def test_policy_rolls_back_a_slower_candidate_and_keeps_a_healthy_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The latency rule runs at most once a second; here every request is judged.
+    monkeypatch.setattr(route_table, "P99_CHECK_INTERVAL_S", 0.0)
+    table = _policy_table(error_ratio_margin=0.1, p99_margin_ms=100)
+    route = table.require("r")
+    primary, candidate = route.targets
+    for _ in range(30):
+        table.record("r", primary, True, 0.010)
+        table.record("r", candidate, True, 0.050)  # slower, within the margin
+    assert table.require("r").targets[1].weight == 50
+    for _ in range(20):
+        table.record("r", candidate, True, 0.400)
+    after = table.status("r")
+    assert [(t.target.id, t.target.weight) for t in after.targets] == [("a", 100), ("b", 0)]
+    assert after.events[-1].kind == "auto-rollback" and after.events[-1].detail.startswith("p99")
+    labels = {"route": "r", "target": "b", "reason": "p99"}
+    assert table.metrics.rollbacks.labels(**labels)._value.get() == 1
+
+
+def test_policy_judges_errors_only_past_the_minimum_sample() -> None:
+    table = _policy_table(error_ratio_margin=0.1)
+    primary, candidate = table.require("r").targets
+    for index in range(19):
+        table.record("r", primary, True, 0.01)
+        table.record("r", candidate, index % 2 == 0, 0.01)  # half fail, but only 19
+    assert table.require("r").targets[1].weight == 50
+    table.record("r", candidate, False, 0.01)
+    assert table.require("r").targets[1].weight == 0
+    assert "error ratio 0.500 vs 0.000 over 20 requests" in table.status("r").events[-1].detail
