@@ -28,6 +28,7 @@ from gateway.envoy.upstream_tls import UpstreamTls, secure
 __all__ = ["EdgeSettings", "JwtAuth", "Limits", "RateLimit", "build_config"]
 
 MESH_SERVICE = "meshserve.v1.MeshService"
+ROUTE_SERVICE = "meshserve.v1.RouteService"
 JOB_SERVICE = "meshserve.v1.JobService"
 _TYPES = "type.googleapis.com/envoy.extensions"
 
@@ -265,7 +266,7 @@ def _http_filters(settings: EdgeSettings) -> list[dict[str, Any]]:
             "typed_config": {
                 "@type": f"{_TYPES}.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder",
                 "proto_descriptor": str(settings.descriptor_set),
-                "services": [MESH_SERVICE, JOB_SERVICE],
+                "services": [MESH_SERVICE, ROUTE_SERVICE, JOB_SERVICE],
                 "convert_grpc_status": True,
                 "print_options": {
                     "add_whitespace": False,
