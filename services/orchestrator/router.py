@@ -240,10 +240,13 @@ class StageRouter:
     async def resolve(self, *, initial: bool = False) -> None:
         """Resolve every configured endpoint to its replicas now: open the new
         addresses (and ask them what they host), retire the ones that vanished."""
-        wanted: dict[tuple[str, str], StageAddress | None] = {}
+        wanted: dict[tuple[str, str], StageAddress] = {}
         current = {(e.address.stage, e.address.target): e for e in self.endpoints}
-        for address in self.addresses:
-            targets = await self.discovery.resolver.expand(address.target)
+        # All names at once: one slow lookup does not hold the others back.
+        answers = await asyncio.gather(
+            *(self.discovery.resolver.expand(a.target) for a in self.addresses)
+        )
+        for address, targets in zip(self.addresses, answers, strict=True):
             if targets is None:
                 # Unknown now: keep what this name had (at start: let gRPC resolve it).
                 kept = [key for key, e in current.items() if e.origin == address]
