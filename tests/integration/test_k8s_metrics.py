@@ -1,4 +1,6 @@
-"""The series the Prometheus adapter's rules read exist on a real stage's /metrics.
+"""A real stage, as deploy/k8s runs it: the autoscalers' series and the probes.
+
+The series the Prometheus adapter's rules read must exist on its /metrics.
 
 deploy/k8s/prometheus-adapter/values.yaml turns stage metrics into the
 per-pod metrics the HorizontalPodAutoscalers scale on; a renamed metric would
@@ -7,13 +9,22 @@ stage serves a request, its /metrics is scraped, and every series a rule
 names must be there. vLLM's own ``vllm:*`` gauges appear only once an engine
 runs; they are checked in the installed vLLM's source, where it names them
 (the stage relays every ``vllm:*`` family it registers).
+
+The stage speaks mutual TLS, as under deploy/k8s/components/mtls, where the
+pods' probes are the image's health check (deploy/k8s/image/healthcheck.py):
+it must find the stage SERVING with the pod's certificate and fail without.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -21,15 +32,16 @@ import numpy as np
 import pytest
 import yaml
 
+from deploy.local.certs import MeshCertificates, make_certificates
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.tensors import encode_inputs
 from tests.conftest import build_repository
 from tests.harness import ServiceProcess
 
-ADAPTER_VALUES = (
-    Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "prometheus-adapter" / "values.yaml"
-)
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+ADAPTER_VALUES = K8S / "prometheus-adapter" / "values.yaml"
+HEALTHCHECK = K8S / "image" / "healthcheck.py"
 
 
 def series_named_by_rules() -> set[str]:
@@ -43,29 +55,61 @@ def series_named_by_rules() -> set[str]:
     return names - {"by", "sum", "rate", "clamp_min"}
 
 
+@dataclass(frozen=True)
+class Stage:
+    """What the tests need of the stage once it has served a request."""
+
+    grpc_port: int
+    metrics: str
+    certificates: MeshCertificates
+
+
 @pytest.fixture(scope="module")
-def stage_metrics(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The /metrics text of an inference stage after one request through its batcher."""
-    repository = build_repository(tmp_path_factory.mktemp("k8s-metrics"), ["scale"], [])
-    stage = ServiceProcess(
-        "services.inference.main", ["--model-repository", str(repository), "--metrics-port", "0"]
+def stage(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stage]:
+    """An inference stage with mutual TLS, after one request through its batcher."""
+    repository = build_repository(tmp_path_factory.mktemp("k8s-stage"), ["scale"], [])
+    certificates = make_certificates(tmp_path_factory.mktemp("k8s-mtls"))
+    tls = ["--mtls-cert", str(certificates.cert), "--mtls-key", str(certificates.key)]
+    tls += ["--mtls-ca", str(certificates.ca)]
+    service = ServiceProcess(
+        "services.inference.main",
+        ["--model-repository", str(repository), "--metrics-port", "0", *tls],
     )
+    port = int(service.address.rsplit(":", 1)[1])
     try:
         request = pb.ModelInferRequest(model_name="scale")
         encode_inputs(request, {"X": np.ones((1, 4), dtype=np.float32)})
-        with grpc.insecure_channel(stage.address) as channel:
+        credentials = grpc.ssl_channel_credentials(
+            certificates.ca.read_bytes(),
+            certificates.key.read_bytes(),
+            certificates.cert.read_bytes(),
+        )
+        # The certificate names localhost, not the address the stage printed.
+        with grpc.secure_channel(f"localhost:{port}", credentials) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
             stub.ModelInfer(request, timeout=30)
-        url = f"http://127.0.0.1:{stage.info['metrics_port']}/metrics"
+        url = f"http://127.0.0.1:{service.info['metrics_port']}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:
-            text: str = response.read().decode()
-        return text
+            metrics: str = response.read().decode()
+        yield Stage(port, metrics, certificates)
     finally:
-        stage.stop()
+        service.stop()
 
 
-def test_every_series_the_autoscalers_read_is_exported(stage_metrics: str) -> None:
-    exported = {line.split("{")[0].split(" ")[0] for line in stage_metrics.splitlines()}
+def healthcheck(port: int, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run the image's health check as the mtls component's exec probes do."""
+    return subprocess.run(
+        [sys.executable, str(HEALTHCHECK), "--port", str(port)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def test_every_series_the_autoscalers_read_is_exported(stage: Stage) -> None:
+    exported = {line.split("{")[0].split(" ")[0] for line in stage.metrics.splitlines()}
     exported.discard("#")
     ours = {name for name in series_named_by_rules() if not name.startswith("vllm:")}
     assert len(ours) >= 3  # the parse found the rules' names
@@ -79,3 +123,18 @@ def test_vllm_series_are_names_vllm_registers() -> None:
     source = (Path(spec.origin).parent / "v1" / "metrics" / "loggers.py").read_text()
     for name in (n for n in series_named_by_rules() if n.startswith("vllm:")):
         assert f'name="{name}"' in source, f"vLLM registers no {name}"
+
+
+def test_health_check_probes_a_mutual_tls_stage(stage: Stage) -> None:
+    certificates = stage.certificates
+    pod = {
+        "MESHSERVE_MTLS_CERT": str(certificates.cert),
+        "MESHSERVE_MTLS_KEY": str(certificates.key),
+        "MESHSERVE_MTLS_CA": str(certificates.ca),
+    }
+    done = healthcheck(stage.grpc_port, pod)
+    assert done.returncode == 0, done.stderr
+    # Without the pod's certificate (what kubelet's own gRPC probe has): refused.
+    done = healthcheck(stage.grpc_port, {})
+    assert done.returncode == 1
+    assert "failed" in done.stderr

@@ -42,7 +42,7 @@ from shared.config import ServiceConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "cpu-mtls")
 KUBERNETES_VERSION = "1.32.0"
 """The Kubernetes release the manifests are validated for (kubectl on this machine is 1.32)."""
 KUBECTL = shutil.which("kubectl")
@@ -62,6 +62,8 @@ SERVICES: dict[str, tuple[str, type[ServiceConfig]]] = {
 }
 SERVING_PORT = {"http-adapter": "http", "envoy": "edge"}
 """The containerPort name of each service's serving port (default: grpc)."""
+HEALTHCHECK = "/usr/local/lib/meshserve/healthcheck.py"
+"""Where the Containerfile puts deploy/k8s/image/healthcheck.py."""
 NOT_SETTINGS = {"MESHSERVE_CONFIG"}
 """MESHSERVE_* variables that are no config field (the mesh YAML's path)."""
 
@@ -245,11 +247,7 @@ def test_ports_probes_and_services_agree_with_config(
             [config.metrics_port] if config.metrics_port > 0 else []
         ), f"{name}: metrics port"
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-            probe = container[kind]
-            handler = next(probe[h] for h in ("grpc", "httpGet", "tcpSocket") if h in probe)
-            assert port_number(container, handler["port"]) == serving, f"{name} {kind}"
-            if SERVING_PORT.get(name, "grpc") == "grpc":
-                assert "grpc" in probe, f"{name} {kind}: gRPC services use grpc.health.v1"
+            assert probed_port(container, container[kind], config) == serving, f"{name} {kind}"
         pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
         assert pod["terminationGracePeriodSeconds"] > pre_stop + config.grace_period_s, name
         (service,) = [
@@ -262,6 +260,23 @@ def test_ports_probes_and_services_agree_with_config(
             assert config.model_repository is not None
             mounted_at(pod, container, config.model_repository)
     assert seen == set(SERVICES)
+
+
+def probed_port(container: dict[str, Any], probe: dict[str, Any], config: ServiceConfig) -> int:
+    """The port a probe checks; gRPC services are probed on grpc.health.v1."""
+    grpc_service = SERVING_PORT.get(container["args"][0], "grpc") == "grpc"
+    if "exec" in probe:
+        # Under mutual TLS: the image's health check, which shows the pod's certificate.
+        command = probe["exec"]["command"]
+        assert command[:2] == ["python", HEALTHCHECK], command
+        assert config.mtls_cert is not None, "exec probes only where kubelet's cannot do TLS"
+        assert ("--http" not in command) == grpc_service, command
+        return int(command[command.index("--port") + 1])
+    assert config.mtls_cert is None or not grpc_service, "kubelet's probes have no certificate"
+    if grpc_service:
+        assert "grpc" in probe, f"{container['name']}: gRPC services use grpc.health.v1"
+    handler = next(probe[h] for h in ("grpc", "httpGet", "tcpSocket") if h in probe)
+    return port_number(container, handler["port"])
 
 
 def pod_labels(deployment: dict[str, Any]) -> dict[str, str]:
@@ -297,16 +312,20 @@ def test_addresses_name_services_that_exist(rendered: list[dict[str, Any]], tmp_
     assert target(edge.http_adapter) == "http-adapter"
 
 
-def test_secrets_carry_the_edge_credentials(rendered: list[dict[str, Any]], tmp_path: Path) -> None:
+def test_secrets_carry_the_credentials(rendered: list[dict[str, Any]], tmp_path: Path) -> None:
+    mtls = set()
     for deployment, container in containers(rendered):
-        if container["args"][0] != "envoy":
-            continue
         pod = deployment["spec"]["template"]["spec"]
         config = service_config(rendered, pod, container, tmp_path)
-        assert isinstance(config, EdgeConfig)
-        for path in (config.tls_cert, config.tls_key, config.jwks_file):
-            assert path is not None
+        paths = [config.mtls_cert, config.mtls_key, config.mtls_ca]
+        if config.mtls_cert is not None:
+            mtls.add(container["args"][0])
+        if isinstance(config, EdgeConfig):
+            paths += [config.tls_cert, config.tls_key, config.jwks_file]
+            assert None not in paths[3:], "the edge serves TLS and checks tokens"
+        for path in (p for p in paths if p is not None):
             assert "secret" in mounted_at(pod, container, path), path
+    assert mtls in (set(), set(SERVICES)), f"mutual TLS on some services only: {sorted(mtls)}"
 
 
 def test_pods_run_locked_down(rendered: list[dict[str, Any]]) -> None:
