@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import json
 import os
 import shutil
@@ -45,7 +46,7 @@ class JobsPlan:
 
 
 def plan_jobs(mesh: Mapping[str, Any], auto_ports: bool, orchestrator: str) -> JobsPlan:
-    """Redis and the workers, when ``supervisor.jobs.enabled`` (default: on when Redis exists)."""
+    """Redis and the workers, when ``supervisor.jobs.enabled`` says so (default: off)."""
     services = mesh.get("services") or {}
 
     def ports(service: str) -> tuple[int, int]:
@@ -55,8 +56,12 @@ def plan_jobs(mesh: Mapping[str, Any], auto_ports: bool, orchestrator: str) -> J
         return int(settings.get("grpc_port", 0)), int(settings.get("metrics_port", -1))
 
     jobs = (mesh.get("supervisor") or {}).get("jobs") or {}
-    enabled = jobs.get("enabled", "auto")
-    if enabled is False or (enabled == "auto" and shutil.which(REDIS_BINARY) is None):
+    enabled = jobs.get("enabled", False)
+    # auto: a mesh on its configured ports, with redis-server installed. A mesh on
+    # --ports auto (tests, trials) would share the jobs folder of the user's own
+    # mesh: it runs jobs only when told to (enabled: true, best with its own dir).
+    usable = shutil.which(REDIS_BINARY) is not None and not auto_ports
+    if enabled is not True and not (enabled == "auto" and usable):
         return JobsPlan()
     cache = Path(os.environ.get("MESHSERVE_CACHE", Path.home() / ".cache" / "meshserve"))
     directory = Path(str(jobs.get("dir") or cache / "jobs")).expanduser().resolve()
@@ -134,6 +139,14 @@ async def run(port: int, directory: Path) -> int:
     """Run Redis until SIGTERM; its exit status."""
     redis_dir = directory / "redis"
     redis_dir.mkdir(parents=True, exist_ok=True)
+    lock = (redis_dir / "meshserve.lock").open("w")
+    try:
+        # Two Redis servers appending to one AOF would corrupt it.
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"another mesh's Redis uses {redis_dir}: give this mesh its own "
+              "supervisor.jobs.dir", file=sys.stderr, flush=True)  # fmt: skip
+        return 2
     port = port or free_port()
     proc = await asyncio.create_subprocess_exec(*redis_command(port, redis_dir))
     loop = asyncio.get_running_loop()
