@@ -15,7 +15,9 @@ Needs root and ``ip`` (network namespaces) and the prepared default repository
 3. closed-loop gRPC load on each orchestrator (ModelInfer, one image or one
    sentence per request), interleaved: for every round, level and pipeline,
    loopback then namespaces; the fastest of the rounds is kept;
-4. a table per pipeline and level: p50 and rate on both, their ratios, and
+4. the round trip of a hop with no work in it (ServerLive to each stage), on
+   both: what a link adds by itself;
+5. a table per pipeline and level: p50 and rate on both, their ratios, and
    the p50 added per stage hop (each request makes three hops from the
    orchestrator; a hop's round trip crosses its link twice).
 
@@ -28,6 +30,7 @@ import argparse
 import asyncio
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,10 +165,31 @@ async def wait_pipelines(address: str, timeout_s: float = 120.0) -> None:
                 await asyncio.sleep(0.2)
 
 
+async def hop_round_trips(mesh: Mesh, calls: int = 200) -> float:
+    """p50 ms of ServerLive to each stage from here, one after another: a hop with
+    no work in it, so the link's own cost."""
+    times: list[float] = []
+    for stage in mesh.stages.values():
+        async with grpc.aio.insecure_channel(str(stage.info["grpc"])) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            await stub.ServerLive(pb.ServerLiveRequest())  # connected before timing
+            for _ in range(calls):
+                started = time.perf_counter()
+                await stub.ServerLive(pb.ServerLiveRequest())
+                times.append((time.perf_counter() - started) * 1000)
+    return float(np.median(times))
+
+
 async def measure(meshes: list[Mesh], settings: Settings) -> list[LoadResult]:
     """Every (round, level, pipeline): loopback then namespaces."""
     for mesh in meshes:
         await wait_pipelines(mesh.address)
+    trips = [await hop_round_trips(mesh) for mesh in meshes]
+    print(
+        "hop round trip (ServerLive to each stage, p50): "
+        + ", ".join(f"{m.label} {t:.2f} ms" for m, t in zip(meshes, trips, strict=True)),
+        flush=True,
+    )
     requests = payloads()
     pids = {k: v for mesh in meshes for k, v in mesh.pids().items()}
     runs: list[LoadResult] = []
