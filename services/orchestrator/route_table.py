@@ -198,7 +198,7 @@ class RouteTable:
             self.record(route.name, target, False, time.perf_counter() - started)
             raise
         self.record(route.name, target, True, time.perf_counter() - started)
-        if mirror is not None and shadow is not None:
+        if mirror is not None and shadow is not None and shadow.target.id != target.id:
             self._mirror(route.name, shadow.target, mirror, response, mirror_call)
         response.parameters[TARGET_PARAMETER].string_param = target.id
         return response

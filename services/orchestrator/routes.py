@@ -189,10 +189,12 @@ class Route:
         return replace(self, targets=targets)
 
     def promoted(self, target_id: str) -> Route:
-        """``target_id`` becomes the primary with all the traffic; the others stay at 0."""
+        """``target_id`` becomes the primary with all the traffic; the others stay at 0
+        (a shadow of that same target is dropped: it would only mirror itself)."""
         chosen = self.target(target_id)
         rest = tuple(replace(t, weight=0.0) for t in self.targets if t.id != target_id)
-        return replace(self, targets=(replace(chosen, weight=100.0), *rest))
+        shadow = self.shadow if self.shadow and self.shadow.target.id != target_id else None
+        return replace(self, targets=(replace(chosen, weight=100.0), *rest), shadow=shadow)
 
     def rolled_back(self, target_id: str = "") -> Route:
         """``target_id`` (default: every candidate) at weight 0, its share to the primary."""

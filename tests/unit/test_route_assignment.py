@@ -59,6 +59,10 @@ def test_override_promote_and_rollback() -> None:
     promoted = CANARY.promoted("m:2")
     assert [(t.id, t.weight) for t in promoted.targets] == [("m:2", 100), ("m:1", 0)]
     assert all(promoted.pick(key=str(i)).id == "m:2" for i in range(100))
+    shadowed = parse_route(
+        "s", {"targets": [{"model": "a", "weight": 1}, {"model": "b"}], "shadow": {"model": "b"}}
+    )
+    assert shadowed.promoted("b").shadow is None and shadowed.promoted("a").shadow is not None
     back = CANARY.rolled_back()
     assert [(t.id, t.weight) for t in back.targets] == [("m:1", 100), ("m:2", 0)]
     with pytest.raises(InvalidArgument, match="is the primary"):
