@@ -125,6 +125,7 @@ def torchserve(store: Path, folder: Path) -> Iterator[tuple[str, dict[str, int]]
     command += ["--model-store", str(store), "--models", f"{MODEL}={MODEL}.mar"]
     command += ["--disable-token-auth"]
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "LOG_LOCATION": str(folder)}
+    env["TMPDIR"] = str(folder)  # its pid file and sockets: one run never meets another
     log = (folder / "torchserve.log").open("w")
     proc = subprocess.Popen(command, cwd=folder, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{ports[0]}"
@@ -133,14 +134,33 @@ def torchserve(store: Path, folder: Path) -> Iterator[tuple[str, dict[str, int]]
         pids = {f"torchserve-{i}": pid for i, pid in enumerate(_tree(proc.pid))}
         yield base, pids
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            for pid in reversed(_tree(proc.pid)):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        _stop(proc)
         log.close()
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM Java and its workers too (the launcher does not pass it on), then
+    SIGKILL whatever is left after 30 s."""
+    pids = _tree(proc.pid)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.2)
+        proc.poll()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z")
 
 
 def _wait_model(url: str, proc: subprocess.Popen[bytes], folder: Path) -> None:

@@ -41,7 +41,7 @@ def archive(
     name: str,
     handler: str,
     files: dict[str, Path],
-    serialized: Path,
+    serialized: Path | None,
     config: str | None = None,
     version: str = "1.0",
 ) -> Path:
@@ -53,14 +53,14 @@ def archive(
         name,
         "--version",
         version,
-        "--serialized-file",
-        str(serialized),
         "--handler",
         handler,
         "--export-path",
         str(store),
         "--force",
     ]
+    if serialized is not None:
+        command += ["--serialized-file", str(serialized)]
     if extra:
         command += ["--extra-files", ",".join(extra)]
     if config is not None:
@@ -98,3 +98,11 @@ def mobilenet_mar(work: Path, store: Path, prepared: Path, name: str = "mobilene
     labels.write_text(json.dumps({str(i): label for i, label in enumerate(labels_txt)}))
     model = prepared / "mobilenet_v2" / "1" / "model.pt"
     return archive(work, store, name, "image_classifier", {"labels": labels}, model)
+
+
+def echo_mar(work: Path, store: Path, version: str = "1.0", name: str = "echo") -> Path:
+    """A function-entry handler that streams intermediate responses (no model file)."""
+    work.mkdir(parents=True, exist_ok=True)
+    handler = work / "echo_handler.py"
+    shutil.copy(HERE / "echo_handler.py", handler)
+    return archive(work, store, name, str(handler), {}, None, version=version)
