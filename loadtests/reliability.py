@@ -3,6 +3,7 @@
     python loadtests/reliability.py [--repository ~/.cache/meshserve/repository]
                                     [--fuzz-cases 10000] [--seed 24] [--soak-minutes 30]
                                     [--in-flight 16] [--overload-in-flight 256]
+                                    [--overload-queued-batches N]
                                     [--skip fuzz,faults,single,soak,overload,abuse]
 
 In order, each on the default models (the LLM included) under the supervisor:
@@ -26,7 +27,8 @@ In order, each on the default models (the LLM included) under the supervisor:
    RESOURCE_EXHAUSTED expected; latencies and RSS); slowloris headers, idle
    connections, half-sent bodies and unwritten gRPC streams against Envoy while
    a well-behaved client keeps calling (all its calls answered; the slow and
-   idle connections closed at Envoy's timeouts).
+   idle connections closed at Envoy's timeouts). ``--overload-queued-batches N``
+   overloads a second mesh whose stages set ``default_queued_batches: N``.
 
 Each part prints its table. The exit status is 1 when an expectation failed.
 """
@@ -353,6 +355,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--in-flight", type=int, default=16)
     parser.add_argument("--overload-in-flight", type=int, default=256)
     parser.add_argument("--overload-s", type=float, default=20.0)
+    parser.add_argument(
+        "--overload-queued-batches",
+        type=int,
+        default=None,
+        help="also overload a mesh whose stages set this default_queued_batches",
+    )
     parser.add_argument("--slow", type=int, default=300, help="slowloris connections")
     parser.add_argument("--idle", type=int, default=1000, help="idle connections")
     parser.add_argument("--half-open", type=int, default=500, help="half-open requests")
@@ -388,6 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             fine &= ok
     if {"overload", "abuse"} - skip:
         fine &= run_overload_and_abuse(args, skip)
+    if "overload" not in skip and args.overload_queued_batches is not None:
+        fine &= run_bounded_overload(args)
     print("all expectations held" if fine else "SOME EXPECTATIONS FAILED")
     return 0 if fine else 1
 
@@ -413,6 +423,17 @@ def run_overload_and_abuse(args: argparse.Namespace, skip: set[str]) -> bool:
                 print(format_table([*abuse.ABUSE_HEADERS, "as expected"], rows))
                 fine &= ok
     return fine
+
+
+def run_bounded_overload(args: argparse.Namespace) -> bool:
+    """Part 5 again, every stage given a stage-wide default_queued_batches."""
+    bound = {"default_queued_batches": args.overload_queued_batches}
+    overrides = {stage: bound for stage in STAGES}
+    with tempfile.TemporaryDirectory(prefix="meshserve-abuse-") as tmp:
+        repository = abuse.image_repository(args.repository, Path(tmp) / "repo")
+        with running_mesh(repository, overrides) as info:
+            print(f"stages with default_queued_batches: {args.overload_queued_batches}")
+            return _overload_part(info, args)
 
 
 def _overload_part(info: MeshInfo, args: argparse.Namespace) -> bool:
