@@ -353,6 +353,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=24)
     parser.add_argument("--soak-minutes", type=float, default=30.0)
     parser.add_argument("--in-flight", type=int, default=16)
+    parser.add_argument(
+        "--replicas", type=int, default=2, help="of each stage for fuzz, soak and faults"
+    )
     parser.add_argument("--overload-in-flight", type=int, default=256)
     parser.add_argument("--overload-s", type=float, default=20.0)
     parser.add_argument(
@@ -380,13 +383,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     install_sigterm_exit()
     fine = True
     if {"fuzz", "faults", "soak"} - skip:
-        with mesh(args.repository, replicas=2) as info:
+        with mesh(args.repository, replicas=args.replicas) as info:
             if "fuzz" not in skip:
                 fine &= run_fuzz(info, args.fuzz_cases, args.seed)
             if "soak" not in skip:  # before the faults: their restarts are expected
                 fine &= run_soak(info, args.soak_minutes, args.in_flight)
             if "faults" not in skip:
-                rows, ok = fault_rows(info, args.in_flight, single=False)
+                rows, ok = fault_rows(info, args.in_flight, single=args.replicas < 2)
                 print(format_table(HEADERS, rows))
                 fine &= ok
     if "single" not in skip:
