@@ -30,7 +30,7 @@ from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from models.sources import sample_image
 from shared.tensors import decode_outputs, encode_inputs
-from tests.data.torchserve.archives import KITTEN_LABELS, kitten_mar, mobilenet_mar
+from tests.data.torchserve.archives import KITTEN_LABELS, echo_mar, kitten_mar, mobilenet_mar
 from tests.e2e.conftest import start_mesh, stop_mesh
 
 ENSEMBLE_PARTS = ("image_classifier", "image_preprocess", "mobilenet_v2_onnx", "imagenet_top5")
@@ -66,6 +66,8 @@ def mesh(
     kitten_mar(folder / "kitten", store)
     kitten_mar(folder / "batched", store, name="kitten_b8", config=BATCHED_CONFIG)
     mobilenet_mar(folder / "mobilenet", store, prepared_repository)
+    echo_mar(folder / "echo", store)
+    echo_mar(folder / "echo-2", store / "v2", version="2.0")
     config = folder / "mesh.yaml"
     config.write_text(MESH.format(store=store, repository=repository))
     proc, info = start_mesh(repository, config, ["--grace-s", "2"])
@@ -221,3 +223,50 @@ def test_batch_size_8_runs_concurrent_predictions_in_batches(mesh: dict[str, Any
     assert counted and float(counted[0].split()[-1]) >= 16, counted
     assert "ts_queue_latency_microseconds{" in text
     assert "ts_inference_latency_microseconds{" in text
+
+
+def test_streamed_parts_headers_explanations_and_versions(mesh: dict[str, Any]) -> None:
+    """A function handler's intermediate responses come first in the answer; its
+    request headers and TorchServe's explain header reach it; two versions of a
+    model, the default one moved, one removed; the list pages."""
+    admin, edge = mesh["management"], mesh["edge"]
+    curl("-X", "POST", f"{admin}/models?url=echo.mar&initial_workers=1&synchronous=true")
+    said = subprocess.run(
+        [
+            "curl",
+            "-sS",
+            "-H",
+            "Content-Type: text/plain",
+            "--data-binary",
+            "hi",
+            f"{edge}/predictions/echo",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert said == "first;second;last:text/plain"
+    assert curl("--data-binary", "abcd", f"{edge}/explanations/echo") == {"explanation": 4}
+
+    curl("-X", "POST", f"{admin}/models?url=v2/echo.mar&initial_workers=1&synchronous=true")
+    assert [d["modelVersion"] for d in curl(f"{admin}/models/echo/all")] == ["1.0", "2.0"]
+    assert curl("--data-binary", "x", f"{edge}/explanations/echo/2.0") == {"explanation": 1}
+    status, answer = call("POST", f"{edge}/predictions/echo/3.0", b"x")
+    assert status == 404 and "3.0" in answer["message"]
+    curl("-X", "PUT", f"{admin}/models/echo/2.0/set-default")
+    [default] = curl(f"{admin}/models/echo")
+    assert default["modelVersion"] == "2.0" and default["isDefault"]
+    status, answer = call("DELETE", f"{admin}/models/echo/2.0")
+    assert status == 400 and "default" in answer["message"]
+    curl("-X", "DELETE", f"{admin}/models/echo/1.0")
+    assert [d["modelVersion"] for d in curl(f"{admin}/models/echo/all")] == ["2.0"]
+
+    everything = [m["modelName"] for m in curl(f"{admin}/models")["models"]]
+    paged, token = [], "0"
+    while token:
+        page = curl(f"{admin}/models?limit=1&next_page_token={token}")
+        paged += [m["modelName"] for m in page["models"]]
+        token = page.get("nextPageToken", "")
+    assert "echo" in everything and paged == everything
+    curl("-X", "DELETE", f"{admin}/models/echo")
