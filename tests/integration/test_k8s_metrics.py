@@ -5,8 +5,9 @@ The series the Prometheus adapter's rules read must exist on its /metrics.
 deploy/k8s/prometheus-adapter/values.yaml turns stage metrics into the
 per-pod metrics the HorizontalPodAutoscalers scale on; a renamed metric would
 leave every autoscaler without data and no error anywhere. A real inference
-stage serves a request, its /metrics is scraped, and every series a rule
-names must be there. vLLM's own ``vllm:*`` gauges appear only once an engine
+stage (the tokenizer: the quickest to start; every stage exports the same
+series from the shared batcher) serves a request, its /metrics is scraped,
+and every series a rule names must be there. vLLM's own ``vllm:*`` gauges appear only once an engine
 runs; they are checked in the installed vLLM's source, where it names them
 (the stage relays every ``vllm:*`` family it registers).
 
@@ -65,20 +66,20 @@ class Stage:
 
 
 @pytest.fixture(scope="module")
-def stage(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stage]:
-    """An inference stage with mutual TLS, after one request through its batcher."""
-    repository = build_repository(tmp_path_factory.mktemp("k8s-stage"), ["scale"], [])
-    certificates = make_certificates(tmp_path_factory.mktemp("k8s-mtls"))
-    tls = ["--mtls-cert", str(certificates.cert), "--mtls-key", str(certificates.key)]
-    tls += ["--mtls-ca", str(certificates.ca)]
-    service = ServiceProcess(
-        "services.inference.main",
-        ["--model-repository", str(repository), "--metrics-port", "0", *tls],
+def stage(tmp_path_factory: pytest.TempPathFactory, prepared_repository: Path) -> Iterator[Stage]:
+    """A tokenizer stage with mutual TLS, after one request through its batcher."""
+    repository = build_repository(
+        tmp_path_factory.mktemp("k8s-stage"), [], ["minilm_tokenizer"], prepared_repository
     )
+    certificates = make_certificates(tmp_path_factory.mktemp("k8s-mtls"))
+    args = ["--model-repository", str(repository), "--metrics-port", "0", "--grace-period-s", "1"]
+    args += ["--mtls-cert", str(certificates.cert), "--mtls-key", str(certificates.key)]
+    args += ["--mtls-ca", str(certificates.ca)]
+    service = ServiceProcess("services.tokenizer.main", args)
     port = int(service.address.rsplit(":", 1)[1])
     try:
-        request = pb.ModelInferRequest(model_name="scale")
-        encode_inputs(request, {"X": np.ones((1, 4), dtype=np.float32)})
+        request = pb.ModelInferRequest(model_name="minilm_tokenizer")
+        encode_inputs(request, {"TEXT": np.array([[b"queued, then tokenized"]], dtype=object)})
         credentials = grpc.ssl_channel_credentials(
             certificates.ca.read_bytes(),
             certificates.key.read_bytes(),
