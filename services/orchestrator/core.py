@@ -139,20 +139,32 @@ class Orchestrator:
     async def _route_stream(
         self, route: Route, request: pb.ModelInferRequest, deadline: Deadline
     ) -> AsyncGenerator[pb.ModelInferResponse, None]:
+        mirror = self.routes.mirror_copy(route, request)
         target = self.routes.assign(route, request)
+        served: list[pb.ModelInferResponse] = []
         started = time.perf_counter()
         ok = False
         try:
             async with contextlib.aclosing(self._stream(request, deadline)) as responses:
                 async for response in responses:
+                    if mirror is not None:  # kept to compare with the shadow's whole stream
+                        served.append(response)
                     response.parameters[TARGET_PARAMETER].string_param = target.id
                     yield response
             ok = True
+            if mirror is not None:
+                self.routes.mirror(route, target, mirror, served, self._collect)
         except (asyncio.CancelledError, GeneratorExit):
             ok = True  # the caller went away: not the target's failure
             raise
         finally:
             self.routes.record(route.name, target, ok, time.perf_counter() - started)
+
+    async def _collect(self, request: pb.ModelInferRequest) -> list[pb.ModelInferResponse]:
+        """Every answer of a mirrored stream (a shadow's: its own deadline)."""
+        stream = self._stream(request, Deadline.after(SHADOW_TIMEOUT_S))
+        async with contextlib.aclosing(stream) as responses:
+            return [response async for response in responses]
 
     async def _stream(
         self, request: pb.ModelInferRequest, deadline: Deadline

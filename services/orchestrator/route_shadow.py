@@ -2,7 +2,9 @@
 
 For every output both answers carry: numeric tensors give the largest absolute
 difference; a classification (a score vector per row: the last dimension above
-1) also gives top-1 agreement; text (BYTES) tensors give exact match. Nothing
+1) also gives top-1 agreement; text (BYTES) tensors give exact match. A
+stream's answers are compared whole: each output's pieces joined in order (the
+generated text, token by token, against the shadow's whole text). Nothing
 here is returned to a caller: the route table records it as metrics.
 """
 
@@ -25,9 +27,33 @@ class Comparison:
     exact_match: bool | None = None
 
 
-def compare(served: pb.ModelInferResponse, shadow: pb.ModelInferResponse) -> Comparison:
-    """The shadow's answer against the served one, over the outputs both have."""
-    ours, theirs = decode_outputs(served), decode_outputs(shadow)
+def compare(served: list[pb.ModelInferResponse], shadow: list[pb.ModelInferResponse]) -> Comparison:
+    """The shadow's answers against the served ones (one each, or a stream each)."""
+    if len(served) == 1 and len(shadow) == 1:
+        return compare_outputs(decode_outputs(served[0]), decode_outputs(shadow[0]))
+    return compare_outputs(_joined(served), _joined(shadow))
+
+
+def _joined(responses: list[pb.ModelInferResponse]) -> dict[str, np.ndarray]:
+    """A stream's outputs, each output's pieces in order: text joined into one string,
+    numbers into one flat vector."""
+    pieces: dict[str, list[np.ndarray]] = {}
+    for response in responses:
+        for name, array in decode_outputs(response).items():
+            pieces.setdefault(name, []).append(array.reshape(-1))
+    joined: dict[str, np.ndarray] = {}
+    for name, parts in pieces.items():
+        flat = np.concatenate(parts)
+        if flat.dtype == object:
+            text = b"".join(bytes(item) for item in flat)
+            joined[name] = np.array([text], dtype=object)
+        else:
+            joined[name] = flat
+    return joined
+
+
+def compare_outputs(ours: dict[str, np.ndarray], theirs: dict[str, np.ndarray]) -> Comparison:
+    """The shadow's outputs against the served ones, over the outputs both have."""
     diffs: list[float] = []
     agreements: list[bool] = []
     matches: list[bool] = []

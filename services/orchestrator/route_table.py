@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 Call = Callable[[pb.ModelInferRequest], Awaitable[pb.ModelInferResponse]]
 """How the core answers a request for a model (a route's target)."""
+Collect = Callable[[pb.ModelInferRequest], Awaitable[list[pb.ModelInferResponse]]]
+"""Every answer a shadow gives one request (one, or a stream's)."""
 SHADOW_TIMEOUT_S = 60.0
 """The longest a mirrored request may run (it answers nobody)."""
 MAX_SHADOWS_IN_FLIGHT = 64
@@ -183,11 +185,7 @@ class RouteTable:
     ) -> pb.ModelInferResponse:
         """One request of ``route``: its target's answer (``call``), naming the target;
         maybe mirrored to the shadow (``mirror_call``: its own deadline, not the caller's)."""
-        shadow = route.shadow
-        mirror = None
-        if shadow and shadow.fraction > 0 and self.rng.random() < shadow.fraction:
-            mirror = pb.ModelInferRequest()
-            mirror.CopyFrom(request)
+        mirror = self.mirror_copy(route, request)
         target = self.assign(route, request)
         started = time.perf_counter()
         try:
@@ -198,8 +196,12 @@ class RouteTable:
             self.record(route.name, target, False, time.perf_counter() - started)
             raise
         self.record(route.name, target, True, time.perf_counter() - started)
-        if mirror is not None and shadow is not None and shadow.target.id != target.id:
-            self._mirror(route.name, shadow.target, mirror, response, mirror_call)
+        if mirror is not None:
+
+            async def collect(shadow_request: pb.ModelInferRequest) -> list[pb.ModelInferResponse]:
+                return [await mirror_call(shadow_request)]
+
+            self.mirror(route, target, mirror, [response], collect)
         response.parameters[TARGET_PARAMETER].string_param = target.id
         return response
 
@@ -257,22 +259,40 @@ class RouteTable:
 
     # Shadows.
 
-    def _mirror(
+    def mirror_copy(
+        self, route: Route, request: pb.ModelInferRequest
+    ) -> pb.ModelInferRequest | None:
+        """A copy of the request for the route's shadow, if this one is drawn to be mirrored."""
+        shadow = route.shadow
+        if shadow is None or shadow.fraction <= 0 or self.rng.random() >= shadow.fraction:
+            return None
+        mirror = pb.ModelInferRequest()
+        mirror.CopyFrom(request)
+        mirror.model_name = shadow.target.model
+        mirror.model_version = shadow.target.version
+        for key in (KEY_PARAMETER, TARGET_PARAMETER):
+            if key in mirror.parameters:
+                del mirror.parameters[key]
+        return mirror
+
+    def mirror(
         self,
-        name: str,
-        target: Target,
+        route: Route,
+        served_by: Target,
         request: pb.ModelInferRequest,
-        served: pb.ModelInferResponse,
-        call: Call,
+        served: list[pb.ModelInferResponse],
+        collect: Collect,
     ) -> None:
+        """Send the copy to the shadow in the background and compare its answers with
+        the served ones (nothing when the shadow is the target that served)."""
+        shadow = route.shadow
+        if shadow is None or shadow.target.id == served_by.id:
+            return
         if len(self._tasks) >= MAX_SHADOWS_IN_FLIGHT:
             return  # the shadow must never hold back the caller's traffic
-        request.model_name = target.model
-        request.model_version = target.version
-        for key in (KEY_PARAMETER, TARGET_PARAMETER):
-            if key in request.parameters:
-                del request.parameters[key]
-        task = asyncio.create_task(self._shadow(name, target, request, served, call))
+        task = asyncio.create_task(
+            self._shadow(route.name, shadow.target, request, served, collect)
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -281,12 +301,12 @@ class RouteTable:
         name: str,
         target: Target,
         request: pb.ModelInferRequest,
-        served: pb.ModelInferResponse,
-        call: Call,
+        served: list[pb.ModelInferResponse],
+        collect: Collect,
     ) -> None:
         try:
-            answer = await asyncio.wait_for(call(request), SHADOW_TIMEOUT_S)
-            result = await asyncio.to_thread(compare, served, answer)
+            answers = await asyncio.wait_for(collect(request), SHADOW_TIMEOUT_S)
+            result = await asyncio.to_thread(compare, served, answers)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a shadow's failure is only counted, never raised

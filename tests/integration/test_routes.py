@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import shutil
 import threading
 import time
 from collections import Counter
@@ -27,6 +28,7 @@ from inference import grpc_service_pb2_grpc as pb_grpc
 from meshserve.v1 import routes_pb2 as rapi
 from meshserve.v1 import routes_pb2_grpc as rapi_grpc
 from shared.tensors import decode_outputs, encode_inputs
+from tests.conftest import DATA
 from tests.in_process import MeshThread
 
 VERSIONED = """
@@ -83,6 +85,9 @@ routes:
   risky:
     targets: [{model: m, version: "1", weight: 50}, {model: flaky, weight: 50}]
     rollback: {window_s: 30, min_requests: 20, error_ratio_margin: 0.1}
+  streamed:
+    targets: [{model: repeat_int32, weight: 1}]
+    shadow: {model: repeat_copy, fraction: 1.0}
 """
 
 
@@ -95,6 +100,10 @@ def write_repository(root: Path) -> Path:
     (root / "flaky" / "1").mkdir(parents=True)
     (root / "flaky" / "1" / "model.py").write_text(FLAKY)
     (root / "flaky" / "config.pbtxt").write_text(CONFIG.format(name="flaky", batch=8))
+    for name in ("repeat_int32", "repeat_copy"):
+        shutil.copytree(DATA / "python_examples" / "repeat_int32", root / name)
+    copy = root / "repeat_copy" / "config.pbtxt"
+    copy.write_text(copy.read_text().replace('"repeat_int32"', '"repeat_copy"'))
     (root / "routes.yaml").write_text(ROUTES)
     return root
 
@@ -327,6 +336,25 @@ def test_shadow_changes_no_answer_and_its_comparison_is_exported(mesh: MeshThrea
     status = mesh.mesh.core.routes.status("mirrored")
     assert status.shadow.compared == 20
     assert status.shadow.max_abs_diff == pytest.approx(largest, rel=1e-6)
+
+
+def test_a_stream_is_mirrored_whole_and_compared(mesh: MeshThread) -> None:
+    message = pb.ModelInferRequest(model_name="streamed")
+    values = np.array([4, -2, 9], dtype=np.int32)
+    encode_inputs(
+        message,
+        {"IN": values, "DELAY": np.zeros(3, np.uint32), "WAIT": np.zeros(1, np.uint32)},
+    )
+
+    async def stream() -> list[pb.ModelInferResponse]:
+        return [r async for r in mesh.mesh.core.stream(message, 30)]
+
+    answers = mesh.run(stream())
+    assert [decode_outputs(a)["OUT"].tolist() for a in answers if a.outputs] == [[4], [-2], [9]]
+    assert {served_by(a) for a in answers} == {"repeat_int32"}
+    mesh.run(mesh.mesh.core.routes.drain_shadows())
+    tally = mesh.mesh.core.routes.status("streamed").shadow
+    assert (tally.compared, tally.failures, tally.max_abs_diff) == (1, 0, 0.0)
 
 
 def test_routes_answer_metadata_config_index_and_bad_input(

@@ -101,15 +101,22 @@ def _response(**outputs: np.ndarray) -> pb.ModelInferResponse:
 def test_shadow_comparisons() -> None:
     scores = np.array([[0.7, 0.2, 0.1]], dtype=np.float32)
     close = _response(P=scores + np.float32(0.01))
-    result = compare(_response(P=scores), close)
+    result = compare([_response(P=scores)], [close])
     assert result.top1_agree is True and result.exact_match is None
     assert result.max_abs_diff == pytest.approx(0.01, abs=1e-6)
-    flipped = compare(_response(P=scores), _response(P=scores[:, ::-1].copy()))
+    flipped = compare([_response(P=scores)], [_response(P=scores[:, ::-1].copy())])
     assert flipped.top1_agree is False
     text = np.array([b"Paris"], dtype=object)
-    assert compare(_response(T=text), _response(T=text)).exact_match is True
+    assert compare([_response(T=text)], [_response(T=text)]).exact_match is True
     other = np.array([b"Lyon"], dtype=object)
-    assert compare(_response(T=text), _response(T=other)).exact_match is False
+    assert compare([_response(T=text)], [_response(T=other)]).exact_match is False
+    # A stream is compared whole: the same text in other pieces matches.
+    pieces = [
+        _response(T=np.array([b"Pa"], dtype=object)),
+        _response(T=np.array([b"ris"], dtype=object)),
+    ]
+    assert compare(pieces, [_response(T=text)]).exact_match is True
+    assert compare(pieces, pieces[:1]).exact_match is False
 
 
 def _policy_table(**policy: float) -> RouteTable:
