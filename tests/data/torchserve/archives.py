@@ -44,6 +44,7 @@ def archive(
     serialized: Path | None,
     config: str | None = None,
     version: str = "1.0",
+    folder: bool = False,
 ) -> Path:
     """``torch-model-archiver`` over the given files; the .mar's path."""
     extra = [str(path) for path in files.values()]
@@ -58,6 +59,7 @@ def archive(
         "--export-path",
         str(store),
         "--force",
+        *(["--archive-format", "no-archive"] if folder else []),
     ]
     if serialized is not None:
         command += ["--serialized-file", str(serialized)]
@@ -69,7 +71,7 @@ def archive(
         command += ["--config-file", str(config_path)]
     store.mkdir(parents=True, exist_ok=True)
     subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
-    return store / f"{name}.mar"
+    return store / (name if folder else f"{name}.mar")
 
 
 def kitten_mar(
@@ -91,13 +93,14 @@ def kitten_mar(
 
 
 def mobilenet_mar(work: Path, store: Path, prepared: Path, name: str = "mobilenet_ts") -> Path:
-    """The repository's MobileNetV2 (TorchScript) under TorchServe's built-in image_classifier."""
+    """The repository's MobileNetV2 (TorchScript) under TorchServe's built-in image_classifier,
+    as an unpacked archive (``--archive-format no-archive``: no 14 MB to deflate)."""
     work.mkdir(parents=True, exist_ok=True)
     labels_txt = (prepared / "mobilenet_v2" / "labels.txt").read_text().splitlines()
     labels = work / "index_to_name.json"
     labels.write_text(json.dumps({str(i): label for i, label in enumerate(labels_txt)}))
     model = prepared / "mobilenet_v2" / "1" / "model.pt"
-    return archive(work, store, name, "image_classifier", {"labels": labels}, model)
+    return archive(work, store, name, "image_classifier", {"labels": labels}, model, folder=True)
 
 
 def echo_mar(work: Path, store: Path, version: str = "1.0", name: str = "echo") -> Path:
