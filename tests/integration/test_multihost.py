@@ -67,6 +67,7 @@ class Mesh:
     repository: Path
     hosts_file: Path
     orchestrator: str
+    orchestrator_log: Path | None = None
     replicas: dict[str, list[netns.Host]] = field(default_factory=dict)
     standby: netns.Host | None = None
     """A preprocess replica up and ready but not in the hosts file yet."""
@@ -149,6 +150,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         )
         netns.wait_ready([*started, orchestrator], timeout=150)
         mesh.orchestrator = orchestrator.info["grpc"]
+        mesh.orchestrator_log = orchestrator.log
         wait_models_ready(mesh.orchestrator)
         yield mesh
 
@@ -220,9 +222,11 @@ def counts(mesh: Mesh) -> dict[str, int]:
 
 def test_losing_a_replica_fails_nothing_and_a_new_one_gets_traffic(mesh: Mesh) -> None:
     with Load(mesh.orchestrator) as load:
-        time.sleep(1.0)
-        before = counts(mesh)
-        assert all(before.values()), f"both replicas of each stage serve: {before}"
+        # Each replica takes calls once the orchestrator has found it (every 1 s).
+        deadline = time.monotonic() + 15
+        while not all((before := counts(mesh)).values()):
+            assert time.monotonic() < deadline, f"both replicas of each stage serve: {before}"
+            time.sleep(0.2)
 
         lost = mesh.replicas["preprocess"][0]
         mesh.cluster.cut(lost)  # silence first, as a host that dies
@@ -239,18 +243,24 @@ def test_losing_a_replica_fails_nothing_and_a_new_one_gets_traffic(mesh: Mesh) -
         mesh.write_hosts()
         joined = time.monotonic()
         while served(f"{host.address}:{PORT}", "tiny_image") == 0:
-            assert time.monotonic() - joined < RESOLVE_S + 3, "the new replica got no traffic"
+            assert time.monotonic() - joined < RESOLVE_S + 5, "the new replica got no traffic"
             time.sleep(0.05)
         first_served_s = time.monotonic() - joined
         time.sleep(0.3)
     final = counts(mesh)
+    assert mesh.orchestrator_log is not None
+    # Calls the lost replica held when it was retired (cut, then retried elsewhere).
+    caught = mesh.orchestrator_log.read_text().count("was retired with a call")
     print(
         f"\nmultihost: sent {dict(load.sent)} (by the loss's end: {after_loss}); "
-        f"failed {len(load.failed)}; slowest {load.slowest_s:.2f} s; new replica's first "
+        f"failed {len(load.failed)}; caught on the lost replica and retried {caught}; "
+        f"slowest {load.slowest_s:.2f} s; new replica's first "
         f"answer {first_served_s:.2f} s after it joined (re-resolve {RESOLVE_S} s); "
         f"per replica before {before}, at the end {final}"
     )
     assert load.failed == []
-    assert first_served_s <= RESOLVE_S + 0.5, "a new replica serves within the re-resolve period"
+    assert caught > 0, "the loss caught no call in flight: the retry path went untested"
+    # Within the re-resolve period; the slack is for a busy machine's polling and scheduling.
+    assert first_served_s <= RESOLVE_S + 1.0, "a new replica serves within the re-resolve period"
     assert final[f"preprocess@{host.address}"] > 0
     assert all(after_loss.values())
