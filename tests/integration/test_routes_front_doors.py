@@ -11,8 +11,11 @@ model, so no LLM has to start).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -96,20 +99,35 @@ def doors(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Doors]:
     routes = repo / "routes.yaml"
     routes.write_text(routes.read_text() + EMBEDDER_ROUTE)
     mesh = MeshThread(repo)
-    processes: list[ServiceProcess] = []
+    orchestrator = ["--orchestrator", mesh.address]
+    quick = ["--grace-period-s", "1"]
+    port = free_port()
+    commands = [
+        ("gateway.http.main", ["--http-port", str(port), *orchestrator, *quick]),
+        ("gateway.envoy.main", [*orchestrator, "--http-adapter", f"127.0.0.1:{port}", *quick]),
+    ]
+    # Both start at once: each is a Python process that takes seconds to import.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        starts = [pool.submit(ServiceProcess, module, args) for module, args in commands]
+    processes = [start.result() for start in starts if start.exception() is None]
     try:
-        orchestrator = ["--orchestrator", mesh.address]
-        quick = ["--grace-period-s", "1"]
-        processes.append(
-            ServiceProcess("gateway.http.main", ["--http-port", "0", *orchestrator, *quick])
-        )
-        adapter = ["--http-adapter", processes[0].address, "--access-log", "false", *quick]
-        processes.append(ServiceProcess("gateway.envoy.main", [*orchestrator, *adapter]))
+        for start in starts:
+            start.result()
         yield Doors(mesh, *processes)
     finally:
-        for process in reversed(processes):
+        for process in processes:
+            process.signal(signal.SIGTERM)
+        for process in processes:
             process.stop()
         mesh.close()
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the adapter's, so Envoy can start beside it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
 
 
 def curl(*args: str) -> tuple[dict[str, str], Any]:
