@@ -15,11 +15,13 @@ kernel has no ``tc netem``). A process on a host is started with
 ``ip netns exec`` and binds the host's address. ``cut()`` takes a host's link
 down at both ends (its peers see silence, not a reset), ``remove()`` ends its
 processes (by PID) and deletes its namespace; ``close()`` removes everything,
-also after a failure.
+also after a failure; a run killed outright (SIGKILL) leaves its namespaces to
+the next ``Cluster``, which removes those whose creator is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -36,6 +38,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_MARKER = "MESHSERVE_READY"
+OWNERS = Path("/run/meshserve-netns")
+"""One file per live cluster, named by its tag, holding its creator's PID: what a
+killed run left behind is found and removed by the next cluster."""
 
 
 def missing() -> str | None:
@@ -106,6 +111,7 @@ class Cluster:
     """Hosts on one switch; a context manager that removes everything it made."""
 
     def __init__(self, delay_ms: float = 0.5) -> None:
+        sweep_orphans()
         self.delay_ms = delay_ms
         self.tag = secrets.token_hex(2)
         self.switch = f"ms{self.tag}sw"
@@ -131,6 +137,8 @@ class Cluster:
         self.close()
 
     def _make_switch(self) -> None:
+        OWNERS.mkdir(parents=True, exist_ok=True)
+        (OWNERS / self.tag).write_text(str(os.getpid()))
         sw = ("-n", self.switch)
         ip("netns", "add", self.switch)
         self._made_switch = True
@@ -235,6 +243,7 @@ class Cluster:
             subprocess.run(["ip", "netns", "del", self.switch], check=False, capture_output=True)
             self._made_switch = False
         subprocess.run(["ip", "link", "del", self.uplink], check=False, capture_output=True)
+        (OWNERS / self.tag).unlink(missing_ok=True)
         shutil.rmtree(self._logs, ignore_errors=True)
 
 
@@ -262,6 +271,38 @@ def wait_ready(processes: list[Process], timeout: float = 60.0) -> None:
 def tail(process: Process, lines: int = 40) -> str:
     """The end of a process's stderr."""
     return "\n".join(process.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def sweep_orphans() -> None:
+    """Remove the namespaces, links and processes of clusters whose creator died."""
+    if not OWNERS.is_dir():
+        return
+    for owner in OWNERS.iterdir():
+        try:
+            alive = Path(f"/proc/{int(owner.read_text())}").exists()
+        except (OSError, ValueError):
+            alive = False
+        if alive:
+            continue
+        listed = subprocess.run(
+            ["ip", "netns", "list"], check=False, capture_output=True, text=True
+        )
+        for namespace in (line.split()[0] for line in listed.stdout.splitlines() if line.strip()):
+            if namespace.startswith(f"ms{owner.name}"):
+                _remove_namespace(namespace)
+        subprocess.run(["ip", "link", "del", f"ms{owner.name}r"], check=False, capture_output=True)
+        owner.unlink(missing_ok=True)
+
+
+def _remove_namespace(namespace: str) -> None:
+    """SIGKILL what runs in ``namespace`` (only this module starts processes there), delete it."""
+    pids = subprocess.run(
+        ["ip", "netns", "pids", namespace], check=False, capture_output=True, text=True
+    ).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+    subprocess.run(["ip", "netns", "del", namespace], check=False, capture_output=True)
 
 
 def _sysctl(namespace: str, setting: str) -> None:
