@@ -154,9 +154,14 @@ VALIDATED: set[str] = set()
 """Objects already validated (the overlays share most of the base)."""
 
 
-def test_every_overlay_validates_strictly(rendered: list[dict[str, Any]]) -> None:
+def test_every_overlay_validates_strictly(
+    rendered: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import kubernetes_validate
+    from kubernetes_validate import utils
 
+    # It parses the schema files (the definitions: megabytes) again for every object.
+    monkeypatch.setattr(utils, "schema_contents", functools.cache(utils.schema_contents))
     checked = set()
     for obj in rendered:
         text = json.dumps(obj, sort_keys=True)
