@@ -208,6 +208,7 @@ class StageRouter:
         self.discovery = discovery or Discovery()
         self._tasks: list[asyncio.Task[None]] = []
         self._retiring: set[asyncio.Task[None]] = set()
+        self._turn = itertools.count()
         self.on_change: Callable[[], Awaitable[None]] | None = None
 
     async def start(self) -> None:
@@ -367,7 +368,10 @@ class StageRouter:
                 raise self._not_hosted(model)
             where = ", ".join(e.describe() for e in known)
             raise Unavailable(f"model '{model}': no ready replica ({where})")
-        return min(candidates, key=lambda e: e.in_flight)
+        fewest = min(e.in_flight for e in candidates)
+        # Ties (idle replicas, at low load) take turns: else the first always wins.
+        least = [e for e in candidates if e.in_flight == fewest]
+        return least[next(self._turn) % len(least)]
 
     def _not_hosted(self, model: str) -> NotFound | Unavailable:
         """The error for a model no replica serves: its load error where a stage
