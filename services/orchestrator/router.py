@@ -8,10 +8,10 @@ backends host, loaded or not, which also says where a model that is not
 loaded would load. Calls go only to READY models; the load errors
 of the models a stage could not load are kept too, so a call to one of them
 answers UNAVAILABLE with that error instead of "unknown model". A call goes to
-the ready replica with the fewest calls in flight; when a replica cannot be
-reached the call is retried once on another replica (model inference here is
-idempotent), and the replica is marked unready until the next refresh finds it
-again. Each endpoint's host is resolved to all of its addresses
+the ready replica with the fewest calls in flight (ties take turns); when a
+replica cannot be reached the call is retried once on another replica (model
+inference here is idempotent), and the replica is marked unready until the
+next refresh finds it again. Each endpoint's host is resolved to all of its addresses
 (services/orchestrator/discovery.py: every A record of a headless Service, or
 every line of a hosts file) and re-resolved periodically: a new address becomes
 a replica without a restart; one that vanished is retired: no new calls, its
