@@ -50,7 +50,8 @@ class Intake:
             task = asyncio.create_task(self._send(request))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        return await self.store.run(self.store.add, list(records(request)))
+        # Decoded in the store's thread too: a large batch would hold the event loop.
+        return await self.store.run(_keep, self.store, request)
 
     async def _send(self, request: ExportTraceServiceRequest) -> None:
         assert self._forward is not None
@@ -67,6 +68,10 @@ class Intake:
             task.cancel()
         if self._channel is not None:
             await self._channel.close()
+
+
+def _keep(store: TraceStore, request: ExportTraceServiceRequest) -> int:
+    return store.add(records(request))
 
 
 class OtlpTraceService(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[misc]
