@@ -3,10 +3,10 @@ spans of every service on its path, read back through Phoenix's REST API.
 
 The mesh's ``otlp_endpoint`` points at Phoenix's OTLP/gRPC port, as it would
 at Jaeger, Tempo or an OpenTelemetry Collector. The mesh is a small one of its
-own with the whole chat path (Envoy, HTTP adapter, orchestrator, tokenizer,
-engine, detokenizer) but a stand-in engine (tests/data/models/echo_engine, a
-python model with vLLM's contract) in place of vLLM, whose start-up would cost
-more than the rest of this test; the image path is the real MobileNetV2.
+own (tests/e2e/small_mesh.py) with the whole chat path (Envoy, HTTP adapter,
+orchestrator, tokenizer, engine, detokenizer) but a stand-in engine in place of
+vLLM, whose start-up would cost more than the rest of this test; the image
+path is the real MobileNetV2.
 Phoenix runs from its own venv (``make phoenix``).
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import subprocess
 import time
 import urllib.parse
@@ -33,22 +32,14 @@ from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from models.sources import sample_image
 from shared.tensors import decode_outputs, encode_inputs
-from tests.conftest import DATA, cache_dir
-from tests.e2e.conftest import start_mesh, stop_mesh, streamed_chat
-from tests.harness import ROOT, RUNNING, new_log
+from tests.conftest import cache_dir
+from tests.e2e.conftest import stop_mesh, streamed_chat
+from tests.e2e.small_mesh import start_small_mesh
+from tests.harness import RUNNING, new_log
 
 pytestmark = pytest.mark.e2e
 
 PHOENIX = cache_dir() / "venvs" / "phoenix" / "bin" / "phoenix"
-REAL_MODELS = (
-    "llm",
-    "smollm2_tokenizer",
-    "smollm2_detokenizer",
-    "image_classifier",
-    "image_preprocess",
-    "mobilenet_v2_onnx",
-    "imagenet_top5",
-)
 CHAT_PATH = {
     "envoy": None,
     "http_adapter": None,
@@ -113,19 +104,7 @@ def traced_mesh(
 ) -> Iterator[dict[str, Any]]:
     """The chat and image paths, every service exporting its spans to Phoenix."""
     folder = tmp_path_factory.mktemp("phoenix-mesh")
-    repository = folder / "repository"
-    repository.mkdir()
-    for name in REAL_MODELS:
-        (repository / name).symlink_to(prepared_repository / name, target_is_directory=True)
-    engine = repository / "smollm2"
-    shutil.copytree(DATA / "models" / "echo_engine", engine)
-    config_file = engine / "config.pbtxt"
-    config_file.write_text(config_file.read_text().replace('"echo_engine"', '"smollm2"'))
-    default = (ROOT / "deploy" / "local" / "mesh.yaml").read_text()
-    config = folder / "mesh.yaml"
-    endpoint = f"defaults:\n  otlp_endpoint: {phoenix[1]}\n"
-    config.write_text(default.replace("defaults:\n", endpoint, 1))
-    proc, info = start_mesh(repository, config, ["--grace-s", "2"])
+    proc, info = start_small_mesh(prepared_repository, folder, phoenix[1])
     try:
         wait_ready(phoenix[0], 180)
         yield info
