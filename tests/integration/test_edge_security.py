@@ -31,6 +31,7 @@ from shared.tensors import decode_outputs, encode_inputs
 from tests.conftest import build_repository
 from tests.e2e.conftest import start_mesh, stop_mesh
 from tests.harness import ServiceProcess
+from tests.integration.test_torchserve import management_port
 
 CLIENT_RPS = 5
 
@@ -44,6 +45,7 @@ services:
     request_headers_timeout_s: 1
     connection_idle_timeout_s: 2
     access_log: false
+    torchserve_management_port: 8081
 supervisor:
   stages:
     - {{ name: inference, module: services.inference.main, replicas: 1 }}
@@ -138,6 +140,18 @@ def test_management_needs_the_admin_role(mesh: dict[str, Any]) -> None:
         load = pb.RepositoryModelLoadRequest(model_name="add_sub")
         assert grpc_code(stub.RepositoryModelLoad, load, admin) == grpc.StatusCode.OK
     assert infer(edge, user) == 200
+
+
+def test_torchserve_management_listener_needs_the_admin_role(mesh: dict[str, Any]) -> None:
+    """TorchServe's management API, on its own listener, is guarded as the edge's
+    management calls are."""
+    listener = f"127.0.0.1:{management_port(mesh)}"
+    user, admin = token(mesh, "alice", "user"), token(mesh, "root", "admin")
+    register = "/models?url=kitten.mar"
+    assert post(listener, register, {}) == 401
+    assert post(listener, register, user) == 403
+    # Past the edge: this mesh's adapter has no model store, and says so.
+    assert post(listener, register, admin) == 503
 
 
 def _flood(edge: str, stop: threading.Event, codes: list[int]) -> None:
@@ -238,7 +252,8 @@ def test_admin_interface_is_not_on_tcp(mesh: dict[str, Any]) -> None:
     listening = {
         c.laddr.port for c in envoy.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN
     }
-    assert listening == {int(mesh["edge"].rsplit(":", 1)[1])}
+    # The edge and TorchServe's management listener; no admin port.
+    assert listening == {int(mesh["edge"].rsplit(":", 1)[1]), management_port(mesh)}
     # The admin socket lies beside the bootstrap Envoy was started with.
     bootstrap = Path(envoy.cmdline()[envoy.cmdline().index("-c") + 1])
     admin = bootstrap.parent / "admin.sock"
