@@ -17,8 +17,10 @@ POSTs to ``/predictions/<model>``, one keep-alive connection per worker):
 
 Server CPU per request counts every process of each server: TorchServe's
 launcher, Java and its workers; every mesh process (Envoy, adapter,
-orchestrator, stages, supervisor). Rounds are interleaved and the fastest
-run of each is kept (a neighbour on a shared box only slows a run down).
+orchestrator, stages, supervisor, job queue, trace store), and apart ("on
+path") the mesh's processes a prediction passes through (Envoy, adapter,
+orchestrator, inference). Rounds are interleaved and the fastest run of each
+is kept (a neighbour on a shared box only slows a run down).
 Ratios are mesh / torchserve.
 """
 
@@ -195,6 +197,7 @@ def _report(results: list[LoadResult]) -> None:
     rows, by_label = [], {r.label: r for r in results}
     for result in results:
         server = 1000.0 * _cpu(result)
+        path = 1000.0 * _cpu(result, _PATH) if result.label == "mesh" else server
         rows.append(
             [
                 result.label,
@@ -202,20 +205,30 @@ def _report(results: list[LoadResult]) -> None:
                 f"{result.percentile(50):.1f}",
                 f"{result.percentile(99):.1f}",
                 f"{server:.2f}",
+                f"{path:.2f}",
                 result.errors,
                 f"{result.usage.others:.2f}",
             ]
         )
-    headers = ["server", "req/s", "p50 ms", "p99 ms", "server CPU ms/req", "errors", "others"]
+    headers = ["server", "req/s", "p50 ms", "p99 ms", "server CPU ms/req", "on path", "errors"]
+    headers.append("others")
     print(format_table(headers, rows))
     mesh, peer = by_label.get("mesh"), by_label.get("torchserve")
     if mesh and peer:
         print(f"throughput mesh/torchserve: {mesh.rate / peer.rate:.2f}x")
         print(f"server CPU per request mesh/torchserve: {_cpu(mesh) / _cpu(peer):.2f}x")
+        on_path = _cpu(mesh, _PATH) / _cpu(peer)
+        print(f"  counting only the mesh's processes on the request path: {on_path:.2f}x")
 
 
-def _cpu(result: LoadResult) -> float:
-    return sum(result.usage.processes.values()) / result.per()
+# The mesh's processes a prediction passes through (the rest of the default mesh idles).
+_PATH = ("envoy", "http_adapter", "orchestrator", "inference-0")
+
+
+def _cpu(result: LoadResult, labels: tuple[str, ...] = ()) -> float:
+    """CPU seconds per request of ``labels`` (all the server's processes when empty)."""
+    used = result.usage.processes
+    return sum(v for k, v in used.items() if not labels or k in labels) / result.per()
 
 
 async def run(args: argparse.Namespace) -> None:
