@@ -44,6 +44,8 @@ _MANAGEMENT_REST_PREFIXES = (
     "/v2/systemsharedmemory/",
     "/v2/cudasharedmemory/",
     "/models",  # TorchServe's management API (its own listener: gateway/envoy/torchserve.py)
+    "/api/v1/routes",  # traffic management: where every caller's requests go
+    "/meshserve.v1.RouteService/",
 )
 _TRACE_SETTING = "/v2/(models/[^/]+(/versions/[^/]+)?/)?trace/setting"
 
