@@ -3,6 +3,7 @@
     python loadtests/bench_batch.py embeddings [--lines 500]
     python loadtests/bench_batch.py restart    [--lines 200]
     python loadtests/bench_batch.py priority   [--images 1000] [--seconds 20] [--no-priority]
+                                               [--workers 2] [--concurrency 4]
     python loadtests/bench_batch.py chat       [--lines 200] [--max-tokens 16]
     python loadtests/bench_batch.py run-batch  [--prompts 256] [--max-tokens 64]
 
@@ -248,8 +249,9 @@ def priority(args: argparse.Namespace, work: Path) -> None:
     images = image_folder(work / "images", args.images)
     lines = [json.loads(row) for row in image_lines(images, "image_classifier").splitlines()]
     probe = (images / "img-00000.jpg").read_bytes()
-    batch_settings = {"priority": 0 if args.no_priority else 2, "concurrency": 4}
-    with mesh(repo, mesh_yaml(work, batch_settings), work / "mesh.log") as info:
+    batch_settings = {"priority": 0 if args.no_priority else 2, "concurrency": args.concurrency}
+    config = mesh_yaml(work, batch_settings, args.workers)
+    with mesh(repo, config, work / "mesh.log") as info:
         asyncio.run(online_latencies(info.orchestrator, probe, 3))  # warm up
         alone = asyncio.run(online_latencies(info.orchestrator, probe, args.seconds))
         sdk = client(info)
@@ -266,7 +268,8 @@ def priority(args: argparse.Namespace, work: Path) -> None:
         after = sdk.batches.retrieve(batch_id).request_counts
         sdk.batches.cancel(batch_id)
     level = "the online level" if args.no_priority else "priority level 2 of 2"
-    print(f"online image_classifier, 4 in flight, {args.seconds:.0f} s each; the job at {level}")
+    print(f"online image_classifier, 4 in flight, {args.seconds:.0f} s each; the job at {level},"
+          f" {args.workers} worker(s) x {args.concurrency} lines in flight")  # fmt: skip
     for label, values in (("without the job", alone), ("with the job", beside)):
         print(f"  {label:<16} {len(values):>5} calls  p50 {_ms(values, 50):7.1f} ms  "
               f"p99 {_ms(values, 99):7.1f} ms")  # fmt: skip
@@ -380,6 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--images", type=int, default=1000)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--no-priority", action="store_true")
+    parser.add_argument("--workers", type=int, default=2, help="priority: batch workers")
+    parser.add_argument("--concurrency", type=int, default=4, help="priority: lines per worker")
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--prompts", type=int, default=256)
     args = parser.parse_args(argv)
