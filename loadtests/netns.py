@@ -184,11 +184,9 @@ class Cluster:
         host.wire = self._spawn(self.switch, [*wire, str(self.delay_ms)], "wire", ready=False)
         return host
 
-    def start(
-        self, host: Host | None, module: str, args: list[str], timeout: float = 60.0
-    ) -> Process:
-        """``python -m module args`` on ``host`` (None: here); returns once it prints
-        its ready line. Call ``wait_ready`` for several started at once."""
+    def start(self, host: Host | None, module: str, args: list[str]) -> Process:
+        """Start ``python -m module args`` on ``host`` (None: here) without waiting:
+        ``wait_ready`` waits for several started side by side."""
         process = self._spawn(
             host.namespace if host else None, [sys.executable, "-m", module, *args], module
         )
@@ -200,14 +198,15 @@ class Cluster:
     ) -> Process:
         log = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log", dir=self._logs)[1])
         prefix = ["ip", "netns", "exec", namespace] if namespace else []
-        popen = subprocess.Popen(
-            [*prefix, *argv],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            stdout=subprocess.PIPE if ready else subprocess.DEVNULL,
-            stderr=log.open("w"),
-            text=True,
-        )
+        with log.open("w") as stderr:  # the child keeps its own copy
+            popen = subprocess.Popen(
+                [*prefix, *argv],
+                cwd=ROOT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                stdout=subprocess.PIPE if ready else subprocess.DEVNULL,
+                stderr=stderr,
+                text=True,
+            )
         return Process(popen, log)
 
     def cut(self, host: Host) -> None:
