@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from deploy.cli import main as cli
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from models.sources import sample_image
@@ -285,3 +286,27 @@ def test_streamed_parts_headers_explanations_and_versions(mesh: dict[str, Any]) 
         token = page.get("nextPageToken", "")
     assert "echo" in everything and paged == everything
     curl("-X", "DELETE", f"{admin}/models/echo")
+
+
+def test_import_mar_writes_a_model_folder_with_torchserve_settings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``meshserve import-mar``: config.properties' entry for the model sets its
+    batching and workers; a flag wins over it."""
+    archive = echo_mar(tmp_path / "build", tmp_path / "store")
+    properties = tmp_path / "config.properties"
+    entry = {"echo": {"1.0": {"batchSize": 4, "maxBatchDelay": 50, "minWorkers": 2}}}
+    properties.write_text(f"default_workers_per_model=3\nmodels={json.dumps(entry)}\n")
+    repository = tmp_path / "models"
+    command = ["import-mar", str(archive), "--repository", str(repository)]
+    command += ["--config-properties", str(properties)]
+    with pytest.raises(SystemExit) as done:
+        cli([*command, "--max-batch-delay", "7"])
+    assert done.value.code == 0, capsys.readouterr().err
+    config = (repository / "echo" / "config.pbtxt").read_text()
+    assert 'backend: "torchserve"' in config and "max_batch_size: 4" in config
+    assert "count: 2 kind: KIND_CPU" in config and "max_queue_delay_microseconds: 7000" in config
+    assert (repository / "echo" / "1" / "MAR-INF" / "MANIFEST.json").is_file()
+    with pytest.raises(SystemExit) as again:
+        cli(command)
+    assert again.value.code == 1 and "already registered" in capsys.readouterr().err
