@@ -17,7 +17,7 @@ import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,7 @@ def mesh(
     config.write_text(MESH.format(store=store, repository=repository))
     # The archives are built while the mesh starts (registration needs them, start-up not).
     with ThreadPoolExecutor(2) as pool:
-        built = [
+        built: list[Future[Any]] = [
             pool.submit(kitten_mars, folder, store),
             pool.submit(mobilenet_mar, folder / "mobilenet", store, prepared_repository),
             pool.submit(echo_mar, folder / "echo", store),
