@@ -56,6 +56,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.registry import Collector
 
 from services.inference.vllm_settings import EngineSettings, Sampling, dtype_name, log_dtype
+from services.inference.vllm_trace import record_times
 from shared.backend import InstanceSpec, ModelSpec
 from shared.engine_cores import engine_cores, enter_engine_cores
 from shared.errors import ConfigError, InvalidArgument, MeshError, Overloaded, Unavailable
@@ -338,6 +339,7 @@ class VllmInstance:
         timer = _RequestTimer(self._series)
         generated: list[int] = []
         finish = "abort"
+        last: Any = None
         try:
             outputs = engine.generate({"prompt_token_ids": prompt}, params, request_id)
             steps = _until(outputs, self._generation_deadline())
@@ -349,6 +351,7 @@ class VllmInstance:
                         log.info("%s: %s ran past max_generation_s", self.where, request_id)
                         yield _response(generated, 0, finish, len(prompt))
                         return
+                    last = output
                     completion = output.outputs[0]
                     new = list(completion.token_ids)
                     if not new and not output.finished:
@@ -368,6 +371,7 @@ class VllmInstance:
         finally:
             self._active -= 1
             timer.done(finish or "abort")
+            record_times(last, timer.started)
 
     def _generation_deadline(self) -> float | None:
         """The loop time by which a generation starting now must end (None: never)."""

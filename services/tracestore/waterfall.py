@@ -6,9 +6,13 @@ with, where they apply:
 - ``queue_us`` / ``compute_us``: what a stage's server span says it spent
   waiting for a batch slot and running the model (``meshserve.queue_us`` /
   ``meshserve.compute_us``, set by the shared model runner);
-- ``network_us``: the caller's span minus the callee's server span, for a
-  server span whose parent belongs to another service: time on the wire and
-  in (de)serialisation, both ways (and, under Envoy, Envoy's own work).
+- ``network_us``, for a server span whose parent belongs to another service:
+  for a call that covers the callee's span (unary), the caller's span minus
+  the callee's: time on the wire and in (de)serialisation both ways (under
+  Envoy, Envoy's own work too), with no clocks compared; for a stream (the
+  callee's span outlives the caller's set-up span), the gap from the caller's
+  span start to the callee's: the request's way there, which compares two
+  processes' clocks (one clock on one host).
 
 No gRPC or HTTP here: the store's page and ``meshserve trace`` both use it.
 """
@@ -92,6 +96,14 @@ def _ordered(spans: Sequence[SpanRecord]) -> list[tuple[int, SpanRecord]]:
     return ordered
 
 
+def _network_us(span: SpanRecord, parent: SpanRecord | None) -> int | None:
+    if span.kind != SERVER or parent is None or parent.service == span.service:
+        return None
+    if parent.duration_us >= span.duration_us:
+        return parent.duration_us - span.duration_us
+    return max(0, span.start_us - parent.start_us)
+
+
 def waterfall(spans: Sequence[SpanRecord]) -> Waterfall:
     """The waterfall of one trace's spans (at least one)."""
     by_id = {span.span_id: span for span in spans}
@@ -100,9 +112,7 @@ def waterfall(spans: Sequence[SpanRecord]) -> Waterfall:
     rows = []
     for depth, span in _ordered(spans):
         parent = by_id.get(span.parent_id)
-        network = None
-        if span.kind == SERVER and parent is not None and parent.service != span.service:
-            network = max(0, parent.duration_us - span.duration_us)
+        network = _network_us(span, parent)
         rows.append(
             Row(
                 span_id=span.span_id,

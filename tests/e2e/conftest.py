@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.harness import ROOT, RUNNING, log_tail, new_log
 from tests.otlp import OtlpReceiver
@@ -80,12 +81,12 @@ def stop_mesh(proc: subprocess.Popen[str]) -> None:
 def mesh(
     prepared_repository: Path, otlp: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Any]]:
-    """Every service of the default mesh, exporting spans to the test's receiver."""
-    default = (ROOT / "deploy" / "local" / "mesh.yaml").read_text()
+    """Every service of the default mesh, exporting spans to the mesh's own trace store
+    (as by default), which forwards every batch to the test's receiver too."""
+    document = yaml.safe_load((ROOT / "deploy" / "local" / "mesh.yaml").read_text())
+    document["services"].setdefault("tracestore", {})["forward_endpoint"] = otlp.endpoint
     config = tmp_path_factory.mktemp("mesh") / "mesh.yaml"
-    config.write_text(
-        default.replace("defaults:\n", f"defaults:\n  otlp_endpoint: {otlp.endpoint}\n", 1)
-    )
+    config.write_text(yaml.safe_dump(document))
     proc, info = start_mesh(prepared_repository, config, [])
     yield info
     stop_mesh(proc)
