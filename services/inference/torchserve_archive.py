@@ -4,8 +4,9 @@ A ``.mar`` is a zip (or a tgz, or with ``--archive-format no-archive`` a plain
 folder) holding ``MAR-INF/MANIFEST.json``, the serialized model, the handler
 and extra files. The mesh serves it from a model folder of its repository:
 
-    <repository>/<model>/config.pbtxt   backend "torchserve", batching, workers
-    <repository>/<model>/1/...          the archive's files, unpacked as they are
+    <repository>/<model>/config.pbtxt     backend "torchserve", batching, workers
+    <repository>/<model>/torchserve.json  TorchServe's versions -> folders, the default
+    <repository>/<model>/<n>/...          one archive's files, unpacked as they are
 
 TorchServe's settings map onto the model config: ``batchSize`` ->
 ``max_batch_size``, ``maxBatchDelay`` (ms) -> the dynamic batcher's
