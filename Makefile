@@ -15,7 +15,7 @@ MESH   ?= deploy/local/mesh.yaml
 # Debian packages of the real servers and tools the tests drive. `make test`
 # installs the missing ones where apt-get runs as root; elsewhere it names
 # them, and the tests that need one skip with a message that says so.
-DEBIAN_PACKAGES := redis-server prometheus chromium iproute2
+DEBIAN_PACKAGES := redis-server prometheus chromium iproute2 curl
 
 # vLLM: the CUDA build where a GPU driver is present, else the CPU build.
 LLM_EXTRA := $(if $(shell command -v nvidia-smi 2>/dev/null),llm-cuda,llm-cpu)
