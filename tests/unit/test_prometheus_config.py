@@ -56,14 +56,16 @@ def test_a_running_mesh_gets_one_job_per_stage_and_a_target_per_replica() -> Non
     }
     jobs = {
         job["job_name"]: [
-            (group["targets"][0], group["labels"]["process"]) for group in job["static_configs"]
+            (group["targets"][0], group.get("labels", {}).get("process"))
+            for group in job["static_configs"]
         ]
         for job in scrape_config(targets_from_ready(ready))["scrape_configs"]
     }
     assert jobs == {
         "inference": [("127.0.0.1:5003", "inference-0"), ("127.0.0.1:5005", "inference-1")],
         "orchestrator": [("127.0.0.1:5001", "orchestrator")],
-        "supervisor": [("127.0.0.1:5009", "supervisor")],
+        # No target label: the supervisor's series name their own process.
+        "supervisor": [("127.0.0.1:5009", None)],
     }
 
 
