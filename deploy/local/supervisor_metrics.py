@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from deploy.local.service_process import ManagedProcess
+from deploy.local.service_process import ManagedProcess, log
 from shared.metrics_http import start_metrics_server
 
 
@@ -61,7 +61,11 @@ def serve_metrics(
         return None
     registry = CollectorRegistry()
     registry.register(ProcessCounts(processes))
-    return start_metrics_server(host, port, registry)
+    try:
+        return start_metrics_server(host, port, registry)
+    except OSError as exc:  # the mesh runs on without it; say so once
+        log(f"restart counts not served: cannot listen on {host}:{port} ({exc.strerror})")
+        return None
 
 
 def stop_metrics(server: ThreadingHTTPServer | None) -> None:
