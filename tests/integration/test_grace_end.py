@@ -74,6 +74,8 @@ async def _stop_with_requests_running(
 
 def test_requests_running_at_the_end_of_the_grace_get_unavailable_at_once(tmp_path: Path) -> None:
     repository = build_repository(tmp_path / "repo", ["slow"], [])
+    config = repository / "slow" / "config.pbtxt"  # one instance: quicker to start and stop
+    config.write_text(config.read_text().replace("count: 2", "count: 1"))
 
     async def scenario() -> None:
         async with running(repository, load=["slow"], grace_s=GRACE_S) as mesh:
