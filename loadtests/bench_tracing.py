@@ -131,6 +131,12 @@ def report(runs: list[LoadResult]) -> None:
         )
     headers = ["tracing", "in flight", "req/s", "p50 ms", "p99 ms", "mesh CPU ms/req"]
     print(format_table([*headers, "errors", "others (cores)"], rows))
+    names = sorted(set(best["off"].usage.processes) | set(best["on"].usage.processes))
+    per_process = [
+        [name, *(f"{best[label].cpu_ms(name):.2f}" for label in ("off", "on"))] for name in names
+    ]
+    print("\nCPU ms per request, by process")
+    print(format_table(["process", "off", "on"], per_process))
     ratio = best["on"].rate / best["off"].rate
     print(f"\nthroughput with tracing on / off: {ratio:.3f}x  (aim: >= 0.95x)")
     print(f"load average: {load_average()}")
