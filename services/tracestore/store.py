@@ -51,11 +51,11 @@ CREATE INDEX IF NOT EXISTS traces_duration ON traces (end_us - start_us);
 # Values in SET expressions are the row's old ones (SQLite evaluates them all
 # before assigning), so each CASE compares with what was there.
 _UPSERT_TRACE = """
-INSERT INTO traces VALUES (?, ?, ?, 1, ?, ?, ?, ?, ?, ?)
+INSERT INTO traces VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (trace_id) DO UPDATE SET
     start_us = min(start_us, excluded.start_us),
     end_us = max(end_us, excluded.end_us),
-    spans = spans + 1,
+    spans = spans + excluded.spans,
     error = max(error, excluded.error),
     root_service = CASE WHEN excluded.start_us < start_us
         THEN excluded.root_service ELSE root_service END,
@@ -149,7 +149,7 @@ class TraceStore:
     def add(self, spans: Iterable[SpanRecord]) -> int:
         """Keep ``spans`` (a span received twice is kept once); how many were new."""
         now = time.time()
-        added = 0
+        traces: dict[str, _TraceUpdate] = {}
         with self._db:
             for span in spans:
                 row = _row(span, now)
@@ -158,24 +158,15 @@ class TraceStore:
                 )
                 if cursor.rowcount == 0:
                     continue
-                added += 1
                 self._bytes += row[-1]
-                model = span.model
-                self._db.execute(
-                    _UPSERT_TRACE,
-                    (
-                        span.trace_id,
-                        span.start_us,
-                        span.start_us + span.duration_us,
-                        int(span.error),
-                        span.service,
-                        span.name,
-                        model,
-                        span.start_us if model else None,
-                        now,
-                    ),
-                )
-        return added
+                update = traces.get(span.trace_id)
+                if update is None:
+                    traces[span.trace_id] = _TraceUpdate(span)
+                else:
+                    update.add(span)
+            # One summary update per trace and batch: a batch holds many spans of a trace.
+            self._db.executemany(_UPSERT_TRACE, [u.row(now) for u in traces.values()])
+        return sum(update.spans for update in traces.values())
 
     def prune(self) -> int:
         """Drop spans past the age bound, then the oldest traces past the size bound."""
@@ -286,6 +277,45 @@ class TraceStore:
         """Every model a kept trace served."""
         rows = self._db.execute("SELECT DISTINCT model FROM traces WHERE model IS NOT NULL")
         return sorted(r[0] for r in rows)
+
+
+class _TraceUpdate:
+    """What one batch's new spans of a trace change in its summary row."""
+
+    def __init__(self, span: SpanRecord) -> None:
+        self.trace_id = span.trace_id
+        self.start = span.start_us
+        self.end = span.start_us + span.duration_us
+        self.spans = 1
+        self.error = span.error
+        self.root = (span.service, span.name)
+        self.model = span.model
+        self.model_start = span.start_us if self.model else None
+
+    def add(self, span: SpanRecord) -> None:
+        """Fold one more new span of the trace in."""
+        if span.start_us < self.start:
+            self.start, self.root = span.start_us, (span.service, span.name)
+        self.end = max(self.end, span.start_us + span.duration_us)
+        self.spans += 1
+        self.error = self.error or span.error
+        model = span.model
+        if model and (self.model_start is None or span.start_us < self.model_start):
+            self.model, self.model_start = model, span.start_us
+
+    def row(self, received: float) -> tuple[Any, ...]:
+        """The upsert's parameters."""
+        return (
+            self.trace_id,
+            self.start,
+            self.end,
+            self.spans,
+            int(self.error),
+            *self.root,
+            self.model,
+            self.model_start,
+            received,
+        )
 
 
 def _row(span: SpanRecord, received: float) -> tuple[Any, ...]:
