@@ -73,7 +73,9 @@ class Worker:
         self.name = name
         self.claim_idle_ms = int(claim_idle_s * 1000)
         self.metrics = metrics
-        self.sweep_s = max(0.5, min(5.0, claim_idle_s / 2))
+        # A job's files are written at the first sweep after its last line: a
+        # second at most, while the sweep's few Redis calls cost nothing much.
+        self.sweep_s = min(1.0, claim_idle_s / 2)
         self._slots = asyncio.Semaphore(concurrency)
         self._concurrency = concurrency
         self._running: set[asyncio.Task[None]] = set()
