@@ -46,7 +46,10 @@ def start_metrics_server(host: str, port: int, registry: CollectorRegistry) -> T
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            # A scraper that gave up (its timeout) has closed the connection:
+            # nothing to answer, and nothing for the service's log.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                self.wfile.write(body)
 
         def log_message(self, format: str, *args: object) -> None:
             """Scrapes are frequent; keep them out of the service log."""
