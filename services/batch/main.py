@@ -22,17 +22,19 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import grpc
 from prometheus_client import CollectorRegistry
 from pydantic import Field
 
 from services.batch.runner import LineRunner
 from services.batch.store import JobStore
 from services.batch.worker import Worker, WorkerMetrics
+from shared.channels import open_channels, use_mesh_tls
 from shared.config import ServiceConfig, load_config
 from shared.launch import READY_MARKER
 from shared.metrics_http import start_metrics_server
+from shared.mtls import MeshTls
 from shared.server import setup_logging
+from shared.tracing import make_tracer_provider, tracer_for
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +73,12 @@ async def serve(config: BatchConfig) -> None:
     """Run the worker until SIGTERM or SIGINT."""
     registry = CollectorRegistry()
     store = open_store(config)
-    channel = grpc.aio.insecure_channel(
-        config.orchestrator,
-        options=[("grpc.max_receive_message_length", config.max_message_bytes)],
+    # The channel every front door opens: the trace context travels with each
+    # line's call, and under mutual TLS the worker shows the mesh certificate.
+    provider = make_tracer_provider(config.service_name, config.otlp_endpoint)
+    use_mesh_tls(MeshTls.from_config(config))
+    (channel,) = open_channels(
+        config.orchestrator, 1, config.max_message_bytes, tracer_for(provider, "meshserve.batch")
     )
     runner = LineRunner(channel, config.priority, config.request_timeout_s)
     worker = Worker(
@@ -111,7 +116,7 @@ async def serve(config: BatchConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse the config once and work until SIGTERM."""
     config = load_config(BatchConfig, argv, service=SERVICE)
-    setup_logging(config.log_level)
+    setup_logging(config.log_level, config.log_format, SERVICE)
     asyncio.run(serve(config))
 
 
