@@ -51,11 +51,13 @@ from common import (
     LoadSettings,
     MeshInfo,
     Target,
+    add_load_flags,
     best_runs,
     closed_loop,
     format_table,
     install_sigterm_exit,
     load_average,
+    load_from_flags,
     missing_models,
     running_mesh,
     sample_cpu,
@@ -345,22 +347,11 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
     parser.add_argument("--request", choices=sorted(WORKLOADS), default="embed")
     parser.add_argument("--text", default="A man is playing a guitar.", help="the embed text")
-    parser.add_argument("--seconds", type=float, default=5.0, help="measured window per run")
-    parser.add_argument("--rounds", type=int, default=2, help="repeats; the fastest is kept")
-    parser.add_argument("--warmup", type=float, default=1.5, help="warm-up before each window")
-    parser.add_argument("--settle", type=float, default=2.0, help="max wait for a quiet machine")
-    parser.add_argument("--in-flight", default="1,16", help="concurrency levels")
+    add_load_flags(parser, seconds=5.0, warmup_s=1.5, settle_s=2.0, in_flight="1,16")
     parser.add_argument("--connections", type=int, default=4, help="gRPC connections")
     parser.add_argument("--no-access-log", action="store_true", help="turn Envoy's access log off")
-    parser.add_argument("--quick", action="store_true", help="2 s windows, 0.5 s warm-ups")
     args = parser.parse_args(argv)
-    load = LoadSettings(
-        seconds=2.0 if args.quick else args.seconds,
-        warmup_s=0.5 if args.quick else args.warmup,
-        settle_s=0.0 if args.quick else args.settle,
-        rounds=1 if args.quick else max(1, args.rounds),
-    )
-    levels = tuple(int(part) for part in args.in_flight.split(",") if part.strip())
+    load, levels = load_from_flags(args, quick_warmup_s=0.5)
     return Settings(
         args.repository.expanduser(),
         WORKLOADS[args.request](args.text),

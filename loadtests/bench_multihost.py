@@ -44,11 +44,13 @@ from common import (
     GrpcTarget,
     LoadResult,
     LoadSettings,
+    add_load_flags,
     best_runs,
     closed_loop,
     format_table,
     install_sigterm_exit,
     load_average,
+    load_from_flags,
     missing_models,
 )
 
@@ -253,22 +255,11 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     """Command-line flags -> Settings."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
-    parser.add_argument("--seconds", type=float, default=4.0, help="measured window per run")
-    parser.add_argument("--rounds", type=int, default=2, help="repeats; the fastest is kept")
-    parser.add_argument("--warmup", type=float, default=1.5, help="warm-up before each window")
-    parser.add_argument("--settle", type=float, default=2.0, help="max wait for a quiet machine")
-    parser.add_argument("--in-flight", default="1,8", help="concurrency levels")
+    add_load_flags(parser, seconds=4.0, warmup_s=1.5, settle_s=2.0, in_flight="1,8")
     parser.add_argument("--delay-ms", type=float, default=0.5, help="link delay, each way")
     parser.add_argument("--connections", type=int, default=2, help="gRPC connections")
-    parser.add_argument("--quick", action="store_true", help="2 s windows, 1 round")
     args = parser.parse_args(argv)
-    load = LoadSettings(
-        seconds=2.0 if args.quick else args.seconds,
-        warmup_s=1.0 if args.quick else args.warmup,
-        settle_s=0.0 if args.quick else args.settle,
-        rounds=1 if args.quick else max(1, args.rounds),
-    )
-    levels = tuple(int(part) for part in args.in_flight.split(",") if part.strip())
+    load, levels = load_from_flags(args)
     return Settings(args.repository.expanduser(), load, levels, args.delay_ms, args.connections)
 
 

@@ -19,6 +19,7 @@ it stops at the first failed request, and settles for a quieter machine
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -373,6 +374,37 @@ class LoadSettings:
     """Longest wait for a quiet machine before the window."""
     rounds: int = 1
     """Repeats of every measurement (interleaved); the fastest is kept."""
+
+
+def add_load_flags(
+    parser: argparse.ArgumentParser,
+    *,
+    seconds: float,
+    warmup_s: float,
+    settle_s: float,
+    in_flight: str,
+) -> None:
+    """The flags every closed-loop benchmark takes for its timing and concurrency."""
+    parser.add_argument("--seconds", type=float, default=seconds, help="measured window per run")
+    parser.add_argument("--rounds", type=int, default=2, help="repeats; the fastest is kept")
+    parser.add_argument("--warmup", type=float, default=warmup_s, help="warm-up before each window")
+    parser.add_argument("--settle", type=float, default=settle_s, help="longest wait for quiet")
+    parser.add_argument("--in-flight", default=in_flight, help="concurrency levels")
+    parser.add_argument("--quick", action="store_true", help="2 s windows, 1 round")
+
+
+def load_from_flags(
+    args: argparse.Namespace, quick_warmup_s: float = 1.0
+) -> tuple[LoadSettings, tuple[int, ...]]:
+    """The timing and the in-flight levels ``add_load_flags``'s flags asked for."""
+    load = LoadSettings(
+        seconds=2.0 if args.quick else args.seconds,
+        warmup_s=quick_warmup_s if args.quick else args.warmup,
+        settle_s=0.0 if args.quick else args.settle,
+        rounds=1 if args.quick else max(1, args.rounds),
+    )
+    levels = tuple(int(part) for part in args.in_flight.split(",") if part.strip())
+    return load, levels
 
 
 @dataclass(frozen=True)
