@@ -6,8 +6,9 @@ STAMP  := $(VENV)/.installed
 BUF    := .tools/node_modules/.bin/buf
 CACHE  ?= $(or $(MESHSERVE_CACHE),$(HOME)/.cache/meshserve)
 NODE_DEPS := tests/node/node_modules/.package-lock.json
-KSERVE_PY := .venv-kserve/bin/python
-KSERVE_STAMP := .venv-kserve/.installed
+KSERVE_VENV := $(CACHE)/venvs/kserve-0.21.0
+KSERVE_PY := $(KSERVE_VENV)/bin/python
+KSERVE_STAMP := $(KSERVE_VENV)/.installed
 MESH   ?= deploy/local/mesh.yaml
 
 .PHONY: install models protos lint test test-fast run clean bench bench-llm gpu-check kserve-client system-packages phoenix
@@ -43,8 +44,9 @@ $(NODE_DEPS): tests/node/package.json tests/node/package-lock.json
 # Their own venv: kserve's generated gRPC code defines the same `inference`
 # protobuf package as ours (so it runs in a child process anyway), and kserve
 # pins psutil<6, which would downgrade the main venv's.
-$(KSERVE_STAMP): Makefile
-	test -x $(KSERVE_PY) || $(PYTHON) -m venv .venv-kserve
+# It lives in the cache folder, named by its version: a fresh clone reuses it.
+$(KSERVE_STAMP):
+	test -x $(KSERVE_PY) || $(PYTHON) -m venv $(KSERVE_VENV)
 	$(KSERVE_PY) -m pip install -q kserve==0.21.0
 	touch $(KSERVE_STAMP)
 
@@ -104,4 +106,4 @@ gpu-check: models
 	MESHSERVE_CACHE=$(CACHE) $(PY) scripts/gpu_check.py
 
 clean:
-	rm -rf $(VENV) .venv-kserve .tools .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache

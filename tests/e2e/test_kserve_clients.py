@@ -21,12 +21,13 @@ import pytest
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.tensors import decode_outputs, encode_inputs
+from tests.conftest import cache_dir
 from tests.e2e.conftest import post
 from tests.harness import ROOT
 
 pytestmark = pytest.mark.e2e
 
-KSERVE_PYTHON = ROOT / ".venv-kserve" / "bin" / "python"
+KSERVE_PYTHON = cache_dir() / "venvs" / "kserve-0.21.0" / "bin" / "python"
 
 
 def run_kserve_client(*args: Any) -> dict[str, Any]:
