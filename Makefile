@@ -11,7 +11,7 @@ KSERVE_PY := $(KSERVE_VENV)/bin/python
 KSERVE_STAMP := $(KSERVE_VENV)/.installed
 MESH   ?= deploy/local/mesh.yaml
 
-.PHONY: install models protos lint test test-fast run clean bench bench-llm gpu-check kserve-client system-packages phoenix
+.PHONY: install models protos lint test test-fast run clean bench bench-llm gpu-check kserve-client system-packages phoenix bench-peers
 
 # Debian packages of the real servers and tools the tests drive. `make test`
 # installs the missing ones where apt-get runs as root; elsewhere it names
@@ -101,6 +101,23 @@ bench: models
 
 bench-llm: models
 	$(PY) loadtests/bench_llm.py --repository $(CACHE)/repository
+
+# The peer benchmark (loadtests/peers/): KServe and a FastAPI baseline each in
+# its own venv; TorchServe from the project's venv with Debian's JRE.
+PEERS_KSERVE := $(CACHE)/venvs/peers-kserve-0.21.0
+PEERS_FASTAPI := $(CACHE)/venvs/peers-fastapi
+$(PEERS_KSERVE)/.installed:
+	test -x $(PEERS_KSERVE)/bin/python || $(PYTHON) -m venv $(PEERS_KSERVE)
+	$(PEERS_KSERVE)/bin/python -m pip install -q kserve==0.21.0 torch==2.13.0
+	touch $@
+$(PEERS_FASTAPI)/.installed:
+	test -x $(PEERS_FASTAPI)/bin/python || $(PYTHON) -m venv $(PEERS_FASTAPI)
+	$(PEERS_FASTAPI)/bin/python -m pip install -q fastapi==0.136.3 uvicorn==0.54.0 torch==2.13.0
+	touch $@
+
+bench-peers: $(STAMP) $(PEERS_KSERVE)/.installed $(PEERS_FASTAPI)/.installed
+	$(MAKE) system-packages DEBIAN_PACKAGES=openjdk-17-jre-headless
+	$(PY) loadtests/peers/bench.py --venvs $(CACHE)/venvs --plot docs/images/peers.png
 
 gpu-check: models
 	MESHSERVE_CACHE=$(CACHE) $(PY) scripts/gpu_check.py

@@ -28,19 +28,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import io
-import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -55,9 +45,9 @@ from common import (
     install_sigterm_exit,
     running_mesh,
 )
+from peers.torchserve import java_missing, torchserve
 from PIL import Image
 
-from deploy.local.procfs import child_pids
 from models.sources import sample_image
 from services.inference.torchserve_archive import import_archive
 
@@ -92,92 +82,6 @@ class PhotoTarget:
     async def close(self) -> None:
         """Close the pool."""
         await self._session.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _tree(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        todo += child_pids(current)
-    return found
-
-
-@contextlib.contextmanager
-def torchserve(store: Path, folder: Path) -> Iterator[tuple[str, dict[str, int]]]:
-    """Real TorchServe serving the store's archive; (base URL, its PIDs)."""
-    ports = [_free_port() for _ in range(3)]
-    config = folder / "config.properties"
-    config.write_text(
-        f"inference_address=http://127.0.0.1:{ports[0]}\n"
-        f"management_address=http://127.0.0.1:{ports[1]}\n"
-        f"metrics_address=http://127.0.0.1:{ports[2]}\n"
-        "default_workers_per_model=1\ndisable_token_authorization=true\n"
-        "install_py_dep_per_model=false\n"
-    )
-    launcher = Path(sys.executable).parent / "torchserve"
-    command = [str(launcher), "--start", "--foreground", "--ncs", "--ts-config", str(config)]
-    command += ["--model-store", str(store), "--models", f"{MODEL}={MODEL}.mar"]
-    command += ["--disable-token-auth"]
-    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "LOG_LOCATION": str(folder)}
-    env["TMPDIR"] = str(folder)  # its pid file and sockets: one run never meets another
-    log = (folder / "torchserve.log").open("w")
-    proc = subprocess.Popen(command, cwd=folder, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{ports[0]}"
-    try:
-        _wait_model(f"http://127.0.0.1:{ports[1]}/models/{MODEL}", proc, folder)
-        pids = {f"torchserve-{i}": pid for i, pid in enumerate(_tree(proc.pid))}
-        yield base, pids
-    finally:
-        _stop(proc)
-        log.close()
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM Java and its workers too (the launcher does not pass it on), then
-    SIGKILL whatever is left after 30 s."""
-    pids = _tree(proc.pid)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
-        time.sleep(0.2)
-        proc.poll()
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return not Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z")
-
-
-def _wait_model(url: str, proc: subprocess.Popen[bytes], folder: Path) -> None:
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and proc.poll() is None:
-        with (
-            contextlib.suppress(OSError, ValueError),
-            urllib.request.urlopen(url, timeout=5) as answer,
-        ):
-            workers = json.loads(answer.read())[0]["workers"]
-            if workers and all(w["status"] == "READY" for w in workers):
-                return
-        time.sleep(1)
-    tail = (folder / "torchserve.log").read_text()[-3000:]
-    raise RuntimeError(f"TorchServe did not get {MODEL} ready:\n{tail}")
 
 
 async def measure(
@@ -245,15 +149,13 @@ async def run(args: argparse.Namespace) -> None:
         repository = folder / "models"
         import_archive(store / f"{MODEL}.mar", repository)
         results: list[LoadResult] = []
-        java = shutil.which("java")
+        no_java = java_missing()
         for round_ in range(args.rounds):
             print(f"round {round_ + 1}/{args.rounds}")
-            if java is None:
-                print(
-                    "  torchserve: skipped (no java here: apt-get install openjdk-17-jre-headless)"
-                )
+            if no_java:
+                print(f"  torchserve: skipped ({no_java})")
             else:
-                with torchserve(store, folder) as (base, pids):
+                with torchserve(store, folder, MODEL) as (base, pids):
                     url = f"{base}/predictions/{MODEL}"
                     results.append(
                         await measure("torchserve", url, photo, pids, args.in_flight, load)

@@ -1,0 +1,202 @@
+"""The mesh against KServe, TorchServe and a FastAPI baseline: one model, one load, side by side.
+
+    make bench-peers      (builds the peers' venvs, then runs this)
+    python loadtests/peers/bench.py [--rounds 3] [--seconds 5] [--in-flight 16,1]
+                                    [--only mesh,kserve] [--plot docs/images/peers.png]
+
+Every server serves the same TorchScript MLP 128 -> 512 -> 10 with one intra-op
+thread (model.py), and gets the same closed-loop load: batch 1 per request, N
+requests in flight, a warm-up, then a measured window. One server runs at a
+time: each round starts a server, runs every way it speaks (ways.py), stops
+it, and goes on to the next server; rounds interleave the servers. The mesh
+runs with tracing and batch jobs off and only its inference stage (the
+request path: Envoy, HTTP adapter, orchestrator, stage).
+
+Printed per way: req/s (median of the rounds with little CPU steal, ≤ 0.15
+cores, beside the median of all rounds), p50/p99 (median over rounds), server
+CPU ms per request (every process of the server and its children, from
+/proc), by process for the mesh, the load generator's own CPU, and the CPU
+steal seen in each round (/proc/stat); then the ratios the project holds
+itself to. ``--plot`` writes a PNG of req/s and server CPU per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import (
+    LoadResult,
+    LoadSettings,
+    closed_loop,
+    install_sigterm_exit,
+    load_average,
+)
+from peers import report, servers
+from peers.model import MODEL, mesh_repository, torchserve_store, write_torchscript
+from peers.servers import Running
+from peers.torchserve import java_missing, torchserve
+from peers.ways import Way, all_ways, plain_json
+
+from deploy.local.procfs import TICKS
+
+SERVERS = ("mesh", "kserve", "torchserve", "fastapi")
+CACHE = Path("~/.cache/meshserve").expanduser()
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One run's knobs (parsed once from the command line)."""
+
+    load: LoadSettings
+    in_flight: tuple[int, ...]
+    servers: tuple[str, ...]
+    kserve_python: Path
+    fastapi_python: Path
+    plot: Path | None
+    rounds: int
+
+
+def steal_seconds() -> float:
+    """CPU time the hypervisor took from this machine so far (/proc/stat)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    return int(fields[8]) / TICKS
+
+
+async def _steal_probe() -> float:
+    return steal_seconds()
+
+
+@contextlib.contextmanager
+def started(server: str, work: Path, settings: Settings) -> Iterator[Running | None]:
+    """The server, running; None (with a line saying why) where it cannot start here."""
+    model_pt = work / "model.pt"
+    folder = Path(tempfile.mkdtemp(prefix=f"{server}-", dir=work))
+    if server == "mesh":
+        with servers.mesh(work / "repository", folder) as running:
+            yield running
+    elif server == "kserve":
+        with servers.kserve(settings.kserve_python, model_pt, folder, MODEL) as running:
+            yield running
+    elif server == "fastapi":
+        with servers.fastapi(settings.fastapi_python, model_pt, folder, plain_json()) as running:
+            yield running
+    elif (why := java_missing()) is not None:
+        print(f"  torchserve: skipped ({why})")
+        yield None
+    else:
+        with torchserve(work / "store", folder, MODEL) as (base, pids):
+            yield Running(http=base.removeprefix("http://"), pids=pids)
+
+
+async def measure(way: Way, running: Running, in_flight: int, load: LoadSettings) -> LoadResult:
+    """One closed-loop window of one way; the steal counter read at its edges."""
+    target = way.target(running, in_flight)
+    try:
+        calls = target.calls()
+        await calls[0]()  # the way works before anything is timed
+        return await closed_loop(
+            way.label, calls, in_flight, running.pids, load, probe=_steal_probe
+        )
+    finally:
+        await target.close()
+
+
+async def one_round(
+    number: int, work: Path, settings: Settings, ways: Sequence[Way]
+) -> list[LoadResult]:
+    """Each server in turn: start it, measure its ways at every level, stop it."""
+    results: list[LoadResult] = []
+    for server in settings.servers:
+        with started(server, work, settings) as running:
+            if running is None:
+                continue
+            for way in (w for w in ways if w.server == server):
+                for in_flight in settings.in_flight:
+                    result = await measure(way, running, in_flight, settings.load)
+                    results.append(result)
+                    print(f"  round {number} {report.round_line(result)}", flush=True)
+    return results
+
+
+def prepare(work: Path) -> None:
+    """The model, the mesh's repository and TorchServe's store."""
+    model_pt = write_torchscript(work)
+    mesh_repository(model_pt, work / "repository")
+    if java_missing() is None:
+        torchserve_store(model_pt, work)
+
+
+def parse_args(argv: Sequence[str] | None) -> Settings:
+    """Command-line flags -> Settings."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=5.0, help="measured window")
+    parser.add_argument("--warmup", type=float, default=1.5)
+    parser.add_argument("--settle", type=float, default=1.0, help="longest wait for quiet")
+    parser.add_argument("--in-flight", default="16,1")
+    parser.add_argument("--only", default=",".join(SERVERS), help="servers to run")
+    parser.add_argument("--venvs", type=Path, default=CACHE / "venvs")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG here")
+    args = parser.parse_args(argv)
+    chosen = tuple(s for s in args.only.split(",") if s)
+    unknown = set(chosen) - set(SERVERS)
+    if unknown:
+        parser.error(f"--only: unknown servers {sorted(unknown)}; choose from {SERVERS}")
+    return Settings(
+        LoadSettings(args.seconds, args.warmup, args.settle),
+        tuple(int(x) for x in args.in_flight.split(",") if x),
+        chosen,
+        args.venvs / "peers-kserve-0.21.0" / "bin" / "python",
+        args.venvs / "peers-fastapi" / "bin" / "python",
+        args.plot,
+        max(1, args.rounds),
+    )
+
+
+async def run(settings: Settings) -> list[LoadResult]:
+    """Prepare the model, then every round."""
+    results: list[LoadResult] = []
+    with tempfile.TemporaryDirectory(prefix="meshserve-peers-") as tmp:
+        work = Path(tmp)
+        prepare(work)
+        for number in range(1, settings.rounds + 1):
+            results += await one_round(number, work, settings, all_ways())
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measure, print, plot."""
+    install_sigterm_exit()
+    settings = parse_args(argv)
+    for name, python in (("kserve", settings.kserve_python), ("fastapi", settings.fastapi_python)):
+        if name in settings.servers and not python.exists():
+            print(f"{python} is missing: run `make bench-peers` (it builds the peers' venvs)")
+            return 2
+    print(f"load average at start {load_average()}", flush=True)
+    results = asyncio.run(run(settings))
+    summaries = report.summarise(results)
+    print()
+    print(report.table(summaries))
+    print()
+    print(report.ratios(summaries))
+    print(f"load average at end {load_average()}")
+    if settings.plot is not None:
+        report.plot(summaries, settings.plot)
+        print(f"plot: {settings.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,142 @@
+"""Every way the peer benchmark sends the same one-row request, by server.
+
+    mesh        stage direct (gRPC to the inference stage, without and with batching),
+                orchestrator (gRPC), Envoy gRPC, Envoy v2 REST JSON, Envoy v2 REST
+                binary, Envoy meshserve.v1 JSON
+    kserve      v2 gRPC, v2 REST JSON, v2 REST binary
+    torchserve  REST ``/predictions/<model>`` with ``{"data": [...]}`` (batching 8 / 5 ms)
+    fastapi     ``/predict`` with ``{"data": [...]}``
+
+Bodies are built once; gRPC goes out as prepared bytes (``common.GrpcTarget``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+import numpy as np
+from common import INFER_METHOD, Call, GrpcTarget, Target
+from peers.model import BATCHED, MODEL, sample_row
+from peers.servers import Running
+
+from inference import grpc_service_pb2 as pb
+from shared.tensors import encode_inputs
+
+GRPC_CONNECTIONS = 4
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+
+class PostTarget:
+    """One prepared HTTP POST with its headers, one keep-alive connection per worker."""
+
+    def __init__(self, url: str, body: bytes, headers: dict[str, str], connections: int) -> None:
+        connector = aiohttp.TCPConnector(limit=connections)
+        self._session = aiohttp.ClientSession(connector=connector)
+        self._url, self._body, self._headers = url, body, headers
+
+    def calls(self) -> list[Call]:
+        """One call shared by every worker (the pool hands out connections)."""
+        return [self.post]
+
+    async def post(self) -> None:
+        """Send the body, read the whole answer; raise unless 200."""
+        async with self._session.post(self._url, data=self._body, headers=self._headers) as reply:
+            answer = await reply.read()
+            if reply.status != 200:
+                raise RuntimeError(f"HTTP {reply.status}: {answer[:200]!r}")
+
+    async def close(self) -> None:
+        """Close the pool."""
+        await self._session.close()
+
+
+@dataclass(frozen=True)
+class Way:
+    """One server's one protocol: a label and how to aim load at the running server."""
+
+    server: str
+    label: str
+    target: Callable[[Running, int], Target]
+    """(running server, in-flight) -> a fresh target."""
+
+
+def grpc_payload(model: str) -> bytes:
+    """The serialised ModelInferRequest of one row."""
+    request = pb.ModelInferRequest(model_name=model)
+    encode_inputs(request, {"INPUT0": sample_row()})
+    payload: bytes = request.SerializeToString()
+    return payload
+
+
+def _tensor(row: np.ndarray) -> dict[str, object]:
+    return {"name": "INPUT0", "datatype": "FP32", "shape": list(row.shape), "data": row.tolist()}
+
+
+def rest_json() -> bytes:
+    """The KServe v2 REST JSON body."""
+    return json.dumps({"inputs": [_tensor(sample_row())]}).encode()
+
+
+def rest_binary() -> tuple[bytes, dict[str, str]]:
+    """The v2 REST body with the input and the output as binary data, and its headers."""
+    row = sample_row()
+    header = {
+        "inputs": [
+            {
+                "name": "INPUT0",
+                "datatype": "FP32",
+                "shape": list(row.shape),
+                "parameters": {"binary_data_size": row.nbytes},
+            }
+        ],
+        "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}],
+    }
+    text = json.dumps(header).encode()
+    headers = {"content-type": "application/octet-stream", HEADER_LENGTH: str(len(text))}
+    return text + row.tobytes(), headers
+
+
+def plain_json() -> bytes:
+    """``{"data": [...]}``: TorchServe's and the FastAPI baseline's body."""
+    return json.dumps({"data": sample_row()[0].tolist()}).encode()
+
+
+_JSON = {"content-type": "application/json"}
+
+
+def _grpc(address: Callable[[Running], str], model: str) -> Callable[[Running, int], Target]:
+    payload = grpc_payload(model)
+    return lambda run, n: GrpcTarget(address(run), INFER_METHOD, payload, min(n, GRPC_CONNECTIONS))
+
+
+def _post(path: str, body: bytes, headers: dict[str, str]) -> Callable[[Running, int], Target]:
+    return lambda run, n: PostTarget(f"http://{run.http}{path}", body, headers, n)
+
+
+def all_ways() -> list[Way]:
+    """Every way, grouped by server in the order the servers start."""
+    binary, binary_headers = rest_binary()
+    infer = f"/v2/models/{MODEL}/infer"
+    return [
+        Way("mesh", "stage direct", _grpc(lambda r: r.extra["stage"], MODEL)),
+        Way("mesh", "stage direct b8", _grpc(lambda r: r.extra["stage"], BATCHED)),
+        Way("mesh", "orchestrator gRPC", _grpc(lambda r: r.grpc, MODEL)),
+        Way("mesh", "Envoy gRPC", _grpc(lambda r: r.http, MODEL)),
+        Way("mesh", "Envoy REST JSON", _post(infer, rest_json(), _JSON)),
+        Way("mesh", "Envoy REST binary", _post(infer, binary, binary_headers)),
+        Way(
+            "mesh",
+            "Envoy meshserve.v1 JSON",
+            _post(f"/api/v1/models/{MODEL}/infer", rest_json(), _JSON),
+        ),
+        Way("kserve", "KServe gRPC", _grpc(lambda r: r.grpc, MODEL)),
+        Way("kserve", "KServe REST JSON", _post(infer, rest_json(), _JSON)),
+        Way("kserve", "KServe REST binary", _post(infer, binary, binary_headers)),
+        Way(
+            "torchserve", "TorchServe REST b8", _post(f"/predictions/{MODEL}", plain_json(), _JSON)
+        ),
+        Way("fastapi", "FastAPI JSON", _post("/predict", plain_json(), _JSON)),
+    ]
