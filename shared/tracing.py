@@ -17,7 +17,10 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from shared.otlp_export import OtlpGrpcExporter
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 
@@ -28,6 +31,7 @@ def make_tracer_provider(
     service_name: str,
     otlp_endpoint: str | None,
     exporter: SpanExporter | None = None,
+    sample_ratio: float = 1.0,
 ) -> TracerProvider | None:
     """A provider exporting to ``otlp_endpoint`` (OTLP/gRPC) or ``exporter``.
 
@@ -36,16 +40,20 @@ def make_tracer_provider(
     the caller's own context, not recorded), so a traced caller's downstream
     spans still join its trace. (Recording spans that nobody exports cost the
     orchestrator about ten span set-ups per chat request, for nothing.)
+
+    Sampling is decided once per trace, where it starts: a request that comes
+    with a ``traceparent`` keeps its caller's decision (the sampled flag), and
+    one without is sampled with probability ``sample_ratio``, by its trace id,
+    so every hop that has to decide decides alike.
     """
     if exporter is None and otlp_endpoint:
-        # Imported here: the exporter pulls in its own gRPC stubs, unneeded
-        # when tracing is off.
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        exporter = OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)
+        exporter = OtlpGrpcExporter(otlp_endpoint)
     if exporter is None:
         return None
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": service_name}),
+        sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
+    )
     provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
     return provider
 
