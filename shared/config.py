@@ -44,6 +44,9 @@ class ServiceConfig(BaseModel):
     """On SIGTERM, how long in-flight RPCs may run before they are cancelled."""
     otlp_endpoint: str | None = None
     """OTLP/gRPC trace collector (host:port); None exports no spans."""
+    trace_sample_ratio: float = Field(1.0, ge=0.0, le=1.0)
+    """Share of requests traced where a trace starts (a request with a traceparent keeps
+    its caller's sampled flag); 1 records every request."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Root log level."""
     log_format: Literal["text", "json"] = "text"

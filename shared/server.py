@@ -73,7 +73,9 @@ class MeshServer:
         self.tracer_provider = (
             tracer_provider
             or parts.tracer_provider
-            or make_tracer_provider(config.service_name, config.otlp_endpoint)
+            or make_tracer_provider(
+                config.service_name, config.otlp_endpoint, sample_ratio=config.trace_sample_ratio
+            )
         )
         self.gate = DrainGate()
         self.health = health.aio.HealthServicer()

@@ -75,6 +75,8 @@ class EdgeSettings:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     otlp_endpoint: str | None = None
+    trace_sample_ratio: float = 1.0
+    """Share of requests without a sampled traceparent that Envoy starts a recorded trace for."""
     trace_store: str | None = None
     """host:port of the trace store's query port: /traces and Jaeger's /api go there."""
     access_log: bool = True
@@ -342,7 +344,9 @@ def _connection_manager(settings: EdgeSettings) -> dict[str, Any]:
                     "grpc_service": {"envoy_grpc": {"cluster_name": "otlp"}, "timeout": "1s"},
                     "service_name": "envoy",
                 },
-            }
+            },
+            # Requests that come without a trace: the share Envoy samples.
+            "random_sampling": {"value": 100.0 * settings.trace_sample_ratio},
         }
     return manager
 

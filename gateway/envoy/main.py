@@ -141,6 +141,7 @@ def settings_from(config: EdgeConfig, workdir: Path) -> EdgeSettings:
         tls_cert=config.tls_cert,
         tls_key=config.tls_key,
         otlp_endpoint=config.otlp_endpoint,
+        trace_sample_ratio=config.trace_sample_ratio,
         trace_store=config.trace_store,
         access_log=config.access_log,
         upstream_tls=_upstream_tls(config),

@@ -94,7 +94,9 @@ def _announce(config: HttpAdapterConfig, runner: web.AppRunner, metrics_port: in
 
 async def serve(config: HttpAdapterConfig) -> None:
     """Serve the REST API until SIGTERM or SIGINT, then drain and stop."""
-    provider = make_tracer_provider(config.service_name, config.otlp_endpoint)
+    provider = make_tracer_provider(
+        config.service_name, config.otlp_endpoint, sample_ratio=config.trace_sample_ratio
+    )
     tracer = tracer_for(provider, "meshserve.http_adapter")
     # Mutual TLS, when configured: Envoy must show a certificate here, and the
     # adapter shows its own to the orchestrator.

@@ -75,7 +75,9 @@ async def serve(config: BatchConfig) -> None:
     store = open_store(config)
     # The channel every front door opens: the trace context travels with each
     # line's call, and under mutual TLS the worker shows the mesh certificate.
-    provider = make_tracer_provider(config.service_name, config.otlp_endpoint)
+    provider = make_tracer_provider(
+        config.service_name, config.otlp_endpoint, sample_ratio=config.trace_sample_ratio
+    )
     use_mesh_tls(MeshTls.from_config(config))
     (channel,) = open_channels(
         config.orchestrator, 1, config.max_message_bytes, tracer_for(provider, "meshserve.batch")

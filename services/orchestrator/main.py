@@ -63,7 +63,9 @@ class OrchestratorConfig(ServiceConfig):
 
 def build_parts(config: OrchestratorConfig) -> ServiceParts:
     """Router, ensemble registry, the core, its front doors and their start/stop hooks."""
-    provider = make_tracer_provider(config.service_name, config.otlp_endpoint)
+    provider = make_tracer_provider(
+        config.service_name, config.otlp_endpoint, sample_ratio=config.trace_sample_ratio
+    )
     tracer = tracer_for(provider, "meshserve.orchestrator")
     parts = ServiceParts(
         servicers=[],

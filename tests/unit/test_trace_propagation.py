@@ -169,3 +169,20 @@ def test_a_stream_opened_ahead_joins_its_first_requests_trace() -> None:
     assert sorted(s.kind.name for s in spans) == ["INTERNAL", "SERVER"], [s.name for s in spans]
     (server,) = [s for s in spans if s.kind.name == "SERVER"]
     assert server.parent is not None and server.parent.span_id == caller_span_id
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
+def test_a_trace_is_sampled_where_it_starts_and_kept_as_its_caller_chose(ratio: float) -> None:
+    """New traces are recorded at ``trace_sample_ratio`` (decided by trace id, so every
+    hop that decides agrees); a caller's sampled flag wins over the ratio."""
+    exporter = InMemorySpanExporter()
+    provider = make_tracer_provider("svc", None, exporter, sample_ratio=ratio)
+    assert provider is not None
+    tracer = provider.get_tracer("test")
+    recorded = sum(tracer.start_span("root").is_recording() for _ in range(400))
+    assert recorded == pytest.approx(400 * ratio, abs=60)
+    for flags in (0, 1):
+        caller = trace.SpanContext(1, 2, is_remote=True, trace_flags=trace.TraceFlags(flags))
+        parent = trace.set_span_in_context(trace.NonRecordingSpan(caller))
+        assert tracer.start_span("child", context=parent).is_recording() == bool(flags)
+    provider.shutdown()
