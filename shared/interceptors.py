@@ -451,10 +451,16 @@ class _ClientBase:
         )
 
     def _span(self, details: grpc.aio.ClientCallDetails) -> trace.Span:
-        if not trace.get_current_span().get_span_context().is_valid:
+        current = trace.get_current_span()
+        if not current.get_span_context().is_valid:
             # A call made outside any trace (discovery, a stream opened ahead of
             # its requests) starts no trace of its own.
             return trace.INVALID_SPAN
+        if getattr(current, "kind", None) is SpanKind.CLIENT or not current.is_recording():
+            # The caller's span is already this call's client span (an ensemble
+            # step's), or the trace is not sampled: pass its context on as is
+            # (ending this stand-in ends nothing).
+            return trace.NonRecordingSpan(current.get_span_context())
         method = details.method.decode() if isinstance(details.method, bytes) else details.method
         service, name = _split(method)
         return self._tracer.start_span(

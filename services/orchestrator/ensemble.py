@@ -270,8 +270,11 @@ class EnsemblePlan:
     async def _run_step(
         self, step: Step, inputs: dict[str, WireTensor], call: StepCall, tracer: trace.Tracer
     ) -> dict[str, WireTensor]:
+        # The step's span is the client span of its stage call (one span, not two).
         with tracer.start_as_current_span(
-            self._step_span_name(step), attributes=self._step_attributes(step)
+            self._step_span_name(step),
+            kind=trace.SpanKind.CLIENT,
+            attributes=self._step_attributes(step),
         ):
             try:
                 return await call(step, inputs, list(step.output_map))

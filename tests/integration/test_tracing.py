@@ -1,5 +1,6 @@
 """One request, one trace: the orchestrator's span, a span per ensemble step, and
-each stage's server span (with queue and compute time), correctly parented."""
+each stage's server span (with queue and compute time), correctly parented; a
+request its caller did not sample records nothing anywhere."""
 
 from __future__ import annotations
 
@@ -76,10 +77,36 @@ def test_one_trace_spans_every_hop(mesh: ServiceProcess, receiver: OtlpReceiver)
         "triple_slow",
     ]
     for span in stage_spans:
-        # stage server span <- orchestrator client span <- the step's span
-        client = index[span.parent_id]
-        assert client.service == "orchestrator" and client.kind == 3  # CLIENT
-        step = index[client.parent_id]
+        # stage server span <- the step's span, which is the orchestrator's client span
+        step = index[span.parent_id]
+        assert step.service == "orchestrator" and step.kind == 3  # CLIENT
         assert step.attributes["meshserve.model"] == span.attributes["meshserve.model"]
         assert span.attributes["meshserve.queue_us"] >= 0
         assert span.attributes["meshserve.compute_us"] > 0
+
+
+def test_a_request_its_caller_did_not_sample_records_no_span(
+    mesh: ServiceProcess, receiver: OtlpReceiver
+) -> None:
+    unsampled, sampled = "1" * 32, "2" * 32
+    request = pb.ModelInferRequest(model_name="diamond")
+    encode_inputs(request, {"A": np.ones((1, 4), np.float32), "B": np.ones((1, 4), np.float32)})
+    with grpc.insecure_channel(mesh.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for trace_id, flags in ((unsampled, "00"), (sampled, "01")):
+            _, call = stub.ModelInfer.with_call(
+                request,
+                timeout=30,
+                metadata=[("traceparent", f"00-{trace_id}-{CLIENT_SPAN}-{flags}")],
+            )
+            # The caller still learns its trace id, with the flag it sent.
+            (header,) = [v for k, v in call.trailing_metadata() if k == "traceparent"]
+            assert header.startswith(f"00-{trace_id}-") and header.endswith(f"-{flags}")
+
+    def sampled_done(spans: list[Span]) -> bool:
+        mine = [s for s in spans if s.trace_id == sampled and s.kind == 2]  # SERVER
+        return sorted(s.service for s in mine) == ["inference"] * 3 + ["orchestrator"]
+
+    # Every service exports in batches, the sampled request's after the other's.
+    spans = receiver.wait_for(sampled_done)
+    assert not [s for s in spans if s.trace_id == unsampled]
