@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,7 +39,7 @@ _DOUBLE = struct.Struct("<d")
 _FIXED32 = struct.Struct("<I")
 
 
-def _varint(value: int) -> bytes:
+def _varint_slow(value: int) -> bytes:
     value &= 0xFFFFFFFFFFFFFFFF  # int64 as protobuf writes it: two's complement
     out = bytearray()
     while value > 0x7F:
@@ -50,9 +49,20 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+_SHORT = [_varint_slow(n) for n in range(1 << 14)]
+"""Varints of lengths and counts below 16384 (most of them), ready made."""
+
+
+def _varint(value: int) -> bytes:
+    return _SHORT[value] if 0 <= value < 16384 else _varint_slow(value)
+
+
 def _field(tag: int, payload: bytes) -> bytes:
     """A length-delimited field (``tag`` already holds the wire type)."""
-    return bytes((tag,)) + _varint(len(payload)) + payload
+    return _TAGS[tag] + _varint(len(payload)) + payload
+
+
+_TAGS = [bytes((tag,)) for tag in range(128)]
 
 
 def _any_value(value: Any) -> bytes:
@@ -81,22 +91,29 @@ class SpanEncoder:
     """Spans to the bytes of an ``ExportTraceServiceRequest``."""
 
     def __init__(self) -> None:
-        self._attributes: dict[tuple[str, type, Any], bytes] = {}
+        self._attributes: dict[tuple[int, str, type, Any], bytes] = {}
         self._names: dict[str, bytes] = {}
-        self._groups: dict[tuple[Resource, InstrumentationScope | None], tuple[bytes, bytes]] = {}
+        self._groups: dict[tuple[int, int], tuple[Any, Any, bytes, bytes]] = {}
 
     def encode(self, spans: Sequence[ReadableSpan]) -> bytes:
         """One request holding ``spans``, grouped by resource and scope."""
-        grouped: dict[Resource, dict[InstrumentationScope | None, list[bytes]]] = defaultdict(
-            lambda: defaultdict(list)
-        )
+        # By identity: a Resource hashes by serializing its attributes to JSON,
+        # and a provider's spans all share one Resource object.
+        grouped: dict[int, dict[int, list[bytes]]] = {}
+        groups: dict[int, Resource] = {}
+        scopes: dict[int, InstrumentationScope | None] = {}
         for span in spans:
-            grouped[span.resource][span.instrumentation_scope].append(self.span(span))
+            resource, scope = span.resource, span.instrumentation_scope
+            groups[id(resource)] = resource
+            scopes[id(scope)] = scope
+            by_scope = grouped.setdefault(id(resource), {})
+            by_scope.setdefault(id(scope), []).append(self.span(span))
         out = []
-        for resource, scopes in grouped.items():
+        for resource_id, by_scope in grouped.items():
+            resource = groups[resource_id]
             parts = []
-            for scope, encoded in scopes.items():
-                resource_bytes, scope_bytes = self._group(resource, scope)
+            for scope_id, encoded in by_scope.items():
+                resource_bytes, scope_bytes = self._group(resource, scopes[scope_id])
                 parts.append(_field(0x12, scope_bytes + b"".join(_field(0x12, s) for s in encoded)))
             body = resource_bytes + b"".join(parts)
             if resource.schema_url:
@@ -106,24 +123,30 @@ class SpanEncoder:
 
     def _group(self, resource: Resource, scope: InstrumentationScope | None) -> tuple[bytes, bytes]:
         """The encoded resource field and scope field of ``ScopeSpans`` (cached)."""
-        found = self._groups.get((resource, scope))
-        if found is None:
-            attributes = b"".join(
-                _field(0x0A, _key_value(k, v)) for k, v in resource.attributes.items()
+        key = (id(resource), id(scope))
+        found = self._groups.get(key)
+        if found is not None and found[0] is resource and found[1] is scope:
+            return found[2], found[3]
+        attributes = b"".join(
+            _field(0x0A, _key_value(k, v)) for k, v in resource.attributes.items()
+        )
+        scope_bytes = b""
+        if scope is not None:
+            inner = _field(0x0A, scope.name.encode()) if scope.name else b""
+            if scope.version:
+                inner += _field(0x12, scope.version.encode())
+            inner += b"".join(
+                _field(0x1A, _key_value(k, v)) for k, v in (scope.attributes or {}).items()
             )
-            scope_bytes = b""
-            if scope is not None:
-                inner = _field(0x0A, scope.name.encode()) if scope.name else b""
-                if scope.version:
-                    inner += _field(0x12, scope.version.encode())
-                inner += b"".join(
-                    _field(0x1A, _key_value(k, v)) for k, v in (scope.attributes or {}).items()
-                )
-                scope_bytes = _field(0x0A, inner)
-                if scope.schema_url:
-                    scope_bytes += _field(0x1A, scope.schema_url.encode())
-            found = self._groups[(resource, scope)] = (_field(0x0A, attributes), scope_bytes)
-        return found
+            scope_bytes = _field(0x0A, inner)
+            if scope.schema_url:
+                scope_bytes += _field(0x1A, scope.schema_url.encode())
+        if len(self._groups) >= _CACHE_LIMIT:
+            self._groups.clear()
+        # Kept with their bytes, so neither id can be reused meanwhile.
+        resource_bytes = _field(0x0A, attributes)
+        self._groups[key] = (resource, scope, resource_bytes, scope_bytes)
+        return resource_bytes, scope_bytes
 
     def span(self, span: ReadableSpan) -> bytes:
         """One ``Span`` message."""
@@ -189,11 +212,11 @@ class SpanEncoder:
         cache = self._attributes
         parts = []
         for key, value in attributes.items():
-            if isinstance(value, int) and not isinstance(value, bool):
+            if type(value) is int:
                 # Counts and durations differ on every span: not worth a cache slot.
                 parts.append(_field(tag, _key_value(key, value)))
                 continue
-            cache_key = (key, type(value), value if not isinstance(value, list) else tuple(value))
+            cache_key = (tag, key, type(value), value if type(value) is not list else tuple(value))
             try:
                 found = cache.get(cache_key)
             except TypeError:  # an unhashable sequence
@@ -202,8 +225,8 @@ class SpanEncoder:
             if found is None:
                 if len(cache) >= _CACHE_LIMIT:
                     cache.clear()
-                found = cache[cache_key] = _key_value(key, value)
-            parts.append(_field(tag, found))
+                found = cache[cache_key] = _field(tag, _key_value(key, value))
+            parts.append(found)
         return b"".join(parts)
 
 
