@@ -37,7 +37,7 @@ CREATE TABLE IF NOT EXISTS spans (
     PRIMARY KEY (trace_id, span_id)
 );
 CREATE INDEX IF NOT EXISTS spans_service ON spans (service, name, duration_us);
-CREATE INDEX IF NOT EXISTS spans_received ON spans (received);
+DROP INDEX IF EXISTS spans_received;  -- nothing reads spans by arrival: pruning goes by trace
 CREATE TABLE IF NOT EXISTS traces (
     trace_id TEXT PRIMARY KEY, start_us INTEGER NOT NULL, end_us INTEGER NOT NULL,
     spans INTEGER NOT NULL, error INTEGER NOT NULL,
@@ -47,6 +47,8 @@ CREATE TABLE IF NOT EXISTS traces (
 CREATE INDEX IF NOT EXISTS traces_start ON traces (start_us);
 CREATE INDEX IF NOT EXISTS traces_duration ON traces (end_us - start_us);
 """
+
+_INSERT_SPAN = "INSERT OR IGNORE INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
 
 # Values in SET expressions are the row's old ones (SQLite evaluates them all
 # before assigning), so each CASE compares with what was there.
@@ -149,16 +151,24 @@ class TraceStore:
     def add(self, spans: Iterable[SpanRecord]) -> int:
         """Keep ``spans`` (a span received twice is kept once); how many were new."""
         now = time.time()
-        traces: dict[str, _TraceUpdate] = {}
+        batch = list(spans)
+        resources: dict[int, str] = {}  # a batch's spans share a few resource dicts
+        rows = [_row(span, now, resources) for span in batch]
         with self._db:
-            for span in spans:
-                row = _row(span, now)
-                cursor = self._db.execute(
-                    "INSERT OR IGNORE INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", row
-                )
-                if cursor.rowcount == 0:
-                    continue
-                self._bytes += row[-1]
+            before = self._db.total_changes
+            self._db.executemany(_INSERT_SPAN, rows)
+            if self._db.total_changes - before == len(rows):
+                new = batch  # the usual case: no span came twice
+                self._bytes += sum(row[-1] for row in rows)
+            else:  # a batch sent again: find which were new, row by row
+                self._db.rollback()
+                new = []
+                for span, row in zip(batch, rows, strict=True):
+                    if self._db.execute(_INSERT_SPAN, row).rowcount:
+                        new.append(span)
+                        self._bytes += row[-1]
+            traces: dict[str, _TraceUpdate] = {}
+            for span in new:
                 update = traces.get(span.trace_id)
                 if update is None:
                     traces[span.trace_id] = _TraceUpdate(span)
@@ -166,7 +176,7 @@ class TraceStore:
                     update.add(span)
             # One summary update per trace and batch: a batch holds many spans of a trace.
             self._db.executemany(_UPSERT_TRACE, [u.row(now) for u in traces.values()])
-        return sum(update.spans for update in traces.values())
+        return len(new)
 
     def prune(self) -> int:
         """Drop spans past the age bound, then the oldest traces past the size bound."""
@@ -318,10 +328,12 @@ class _TraceUpdate:
         )
 
 
-def _row(span: SpanRecord, received: float) -> tuple[Any, ...]:
+def _row(span: SpanRecord, received: float, resources: dict[int, str]) -> tuple[Any, ...]:
     attributes = json.dumps(span.attributes, default=str)
-    events = json.dumps(span.events, default=str)
-    resource = json.dumps(span.resource, default=str)
+    events = json.dumps(span.events, default=str) if span.events else "[]"
+    resource = resources.get(id(span.resource))
+    if resource is None:
+        resource = resources[id(span.resource)] = json.dumps(span.resource, default=str)
     size = 120 + len(span.name) + len(attributes) + len(events) + len(resource)
     return (
         span.trace_id,

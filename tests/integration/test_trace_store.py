@@ -224,6 +224,27 @@ def test_spans_past_the_age_or_size_bound_are_dropped(tmp_path: Path) -> None:
         store.close()
 
 
+def test_a_batch_sent_again_is_kept_once(tmp_path: Path) -> None:
+    """An exporter that retries a batch the store already took: no span twice, and
+    the trace's summary counts each span once."""
+    store = TraceStore(tmp_path / "again.sqlite", Limits(max_age_s=60.0, max_bytes=2**20))
+    try:
+        now_us = int(time.time() * 1e6)
+        first = [span("a" * 32, now_us)]
+        assert store.add(first) == 1
+        size = store.stored_bytes
+        again = [*first, span("b" * 32, now_us + 5)]
+        assert store.add(again) == 1
+        assert store.stored_bytes > size
+        assert [len(store.trace(t * 32)) for t in "ab"] == [1, 1]
+        assert {s.trace_id: s.spans for s in store.summaries("recent", 5)} == {
+            "a" * 32: 1,
+            "b" * 32: 1,
+        }
+    finally:
+        store.close()
+
+
 def test_json_log_lines_carry_trace_and_span_ids(store: ServiceProcess) -> None:
     lines = [json.loads(line) for line in store.logs().splitlines() if line.startswith("{")]
     assert lines, store.logs()
