@@ -23,8 +23,10 @@ rows fit ``max_batch_size``; the first request that does not fit closes the batc
 - if the rows of some prefix equal a preferred size, send the largest such prefix now;
 - if the rows pass the largest preferred size, send what fits in it now;
 - if the batch is closed or holds ``max_batch_size`` rows, send it now;
-- otherwise wait for more requests until ``max_queue_delay_us`` after the oldest
-  queued request's arrival, then send what is there.
+- otherwise wait for more requests, then send what is there: with the ``fixed``
+  queue delay policy (Triton's) until ``max_queue_delay_us`` after the oldest queued
+  request's arrival; with ``adaptive`` (the default) only while requests arrive
+  together, never longer (``shared/batch_delay.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
+from shared.batch_delay import QUEUE_DELAY_POLICIES, BatchDelay, QueueDelayPolicy
 from shared.errors import (
     ConfigError,
     FailedPrecondition,
@@ -108,6 +111,9 @@ class BatchPolicy:
     """Row counts sent as soon as they can be formed; each in 1..max_batch_size."""
     max_queue_delay_us: int = 0
     """How long, >= 0, the oldest queued request waits for a batch to fill; 0: never."""
+    queue_delay_policy: QueueDelayPolicy = "adaptive"
+    """``fixed``: always wait out ``max_queue_delay_us`` (Triton); ``adaptive``: wait
+    only while requests arrive together, at most that long (shared/batch_delay.py)."""
     preserve_ordering: bool = False
     """Deliver responses in the order the requests arrived, even across instances."""
     priority_levels: int = 0
@@ -133,6 +139,11 @@ class BatchPolicy:
     def _validate_batching(self) -> None:
         _check_range("BatchPolicy.max_batch_size", self.max_batch_size, 0)
         _check_range("BatchPolicy.max_queue_delay_us", self.max_queue_delay_us, 0)
+        _check(
+            self.queue_delay_policy in QUEUE_DELAY_POLICIES,
+            "BatchPolicy.queue_delay_policy must be one of "
+            f"{', '.join(QUEUE_DELAY_POLICIES)}, got {self.queue_delay_policy!r}",
+        )
         for size in self.preferred_batch_sizes:
             _check_range("BatchPolicy.preferred_batch_sizes", size, 1, self.max_batch_size)
 
@@ -240,6 +251,7 @@ class DynamicBatcher:
         self._combine = self._batched and policy.dynamic_batching
         self._preferred = frozenset(policy.preferred_batch_sizes)
         self._max_preferred = max(policy.preferred_batch_sizes, default=0)
+        self._delay = BatchDelay(policy.queue_delay_policy, policy.max_queue_delay_us)
         # Queues in dispatch order: one per level, then the requests timed out with DELAY.
         self._levels: list[deque[_Entry]] = [deque() for _ in range(policy.level_count)]
         self._delayed: deque[_Entry] = deque()
@@ -380,6 +392,8 @@ class DynamicBatcher:
         key, timeout_us = request.shape_key(self._batched), self._timeout_us(request, policy)
         entry = _Entry(request, loop.create_future(), level, rows, key, timeout_us)
         request.queue_start_ns = time.monotonic_ns()
+        if self._combine:
+            self._delay.arrived(request.queue_start_ns, company=self.in_flight > 0)
         self._push(self._levels[level], entry)
         self._level_sizes[level] += 1
         self._pending_changed()
@@ -497,7 +511,7 @@ class DynamicBatcher:
             return batch
         heads = (queue[0] for queue in (*self._levels, self._delayed) if queue)
         oldest_ns = min(entry.request.queue_start_ns for entry in heads)
-        wait_ns = oldest_ns + self._policy.max_queue_delay_us * 1000 - now_ns
+        wait_ns = self._delay.deadline_ns(oldest_ns) - now_ns
         return batch if wait_ns <= 0 else wait_ns / 1e9
 
     def _gather(self, head: _Entry, rest: Iterator[_Entry]) -> tuple[list[_Entry], int, bool]:

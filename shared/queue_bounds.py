@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from inference import model_config_pb2 as mc
+from shared.batch_delay import QUEUE_DELAY_POLICIES, QueueDelayPolicy
 from shared.batcher import BatchPolicy, QueuePolicy
 from shared.errors import ConfigError
 
@@ -43,6 +44,9 @@ class QueueDefaults:
     """Longest wait in a queue."""
     streams_per_instance: int = STREAMS_PER_INSTANCE
     """Streams a decoupled model runs at once per instance."""
+    queue_delay_policy: QueueDelayPolicy = "adaptive"
+    """How a partial batch waits: ``adaptive`` (only while requests arrive together)
+    or ``fixed`` (Triton's: the whole ``max_queue_delay_microseconds``)."""
 
 
 DEFAULTS = QueueDefaults()
@@ -78,6 +82,21 @@ def default_queue_timeout_us(config: mc.ModelConfig, defaults: QueueDefaults = D
     return defaults.queue_timeout_us if configured is None else configured
 
 
+def queue_delay_policy(
+    config: mc.ModelConfig, defaults: QueueDefaults = DEFAULTS
+) -> QueueDelayPolicy:
+    """The ``queue_delay_policy`` parameter, else the stage's default."""
+    if "queue_delay_policy" not in config.parameters:
+        return defaults.queue_delay_policy
+    value = config.parameters["queue_delay_policy"].string_value.strip()
+    if value not in QUEUE_DELAY_POLICIES:
+        raise ConfigError(
+            f"model '{config.name}': parameter queue_delay_policy must be one of "
+            f"{', '.join(QUEUE_DELAY_POLICIES)}, got {value!r}"
+        )
+    return value
+
+
 def stream_limit(config: mc.ModelConfig, instances: int, defaults: QueueDefaults = DEFAULTS) -> int:
     """How many streams a decoupled model runs at once (0: unbounded)."""
     configured = _count_parameter(config, "max_queue_size")
@@ -110,6 +129,7 @@ def batch_policy(
         dynamic_batching=config.HasField("dynamic_batching"),
         preferred_batch_sizes=tuple(dyn.preferred_batch_size),
         max_queue_delay_us=dyn.max_queue_delay_microseconds,
+        queue_delay_policy=queue_delay_policy(config, defaults),
         preserve_ordering=dyn.preserve_ordering,
         priority_levels=dyn.priority_levels,
         default_priority_level=dyn.default_priority_level,

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import Field
 
 from shared.backend import Backend
+from shared.batch_delay import QueueDelayPolicy
 from shared.config import ServiceConfig, load_config
 from shared.launch import run_service
 from shared.manager import ModelManager
@@ -50,6 +51,10 @@ class StageConfig(ServiceConfig):
     default_streams_per_instance: int = Field(STREAMS_PER_INSTANCE, ge=0, le=1_000_000)
     """For decoupled models whose config sets no max_queue_size: streams open at once per
     instance before RESOURCE_EXHAUSTED; 0: unbounded."""
+    default_queue_delay_policy: QueueDelayPolicy = "adaptive"
+    """For batching models whose config sets no ``queue_delay_policy`` parameter: how a
+    partial batch waits, ``adaptive`` (only while requests arrive together) or
+    ``fixed`` (Triton's: the whole max_queue_delay_microseconds)."""
 
     def queue_defaults(self) -> QueueDefaults:
         """The bounds this stage gives models whose config sets none."""
@@ -57,6 +62,7 @@ class StageConfig(ServiceConfig):
             queued_batches_per_instance=self.default_queued_batches,
             queue_timeout_us=round(self.default_queue_timeout_s * 1e6),
             streams_per_instance=self.default_streams_per_instance,
+            queue_delay_policy=self.default_queue_delay_policy,
         )
 
 

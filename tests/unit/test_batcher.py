@@ -174,6 +174,7 @@ def test_preferred_sizes_are_sent_at_once_and_the_rest_waits_for_the_delay() -> 
         dynamic_batching=True,
         preferred_batch_sizes=(2, 4),
         max_queue_delay_us=300_000,
+        queue_delay_policy="fixed",
     )
 
     async def scenario() -> float:
@@ -191,7 +192,12 @@ def test_preferred_sizes_are_sent_at_once_and_the_rest_waits_for_the_delay() -> 
 
 def test_queue_delay_counts_from_the_oldest_request_unless_the_batch_is_full() -> None:
     instance = FakeInstance(delay=0.005)
-    policy = BatchPolicy(max_batch_size=4, dynamic_batching=True, max_queue_delay_us=200_000)
+    policy = BatchPolicy(
+        max_batch_size=4,
+        dynamic_batching=True,
+        max_queue_delay_us=200_000,
+        queue_delay_policy="fixed",
+    )
 
     async def scenario() -> float:
         async with serving(DynamicBatcher(policy, [instance], name="m")) as batcher:
@@ -207,6 +213,25 @@ def test_queue_delay_counts_from_the_oldest_request_unless_the_batch_is_full() -
     start = run(scenario())
     assert instance.batches == [["a", "b"], ["f0", "f1", "f2", "f3"]]
     assert 0.18 <= instance.started[0] - start < 0.4
+
+
+def test_adaptive_delay_runs_lone_requests_at_once_and_still_batches_overlapping_ones() -> None:
+    instance = FakeInstance(delay=0.02)
+    # A 30 s delay: a lone request that waited for company would hang the test.
+    policy = BatchPolicy(max_batch_size=8, dynamic_batching=True, max_queue_delay_us=30_000_000)
+    records: list[BatchRecord] = []
+
+    async def scenario() -> None:
+        batcher = DynamicBatcher(policy, [instance], name="m", on_batch=records.append)
+        async with serving(batcher):
+            for i in range(3):  # one in flight at a time
+                await infer_and_check(batcher, make_request(f"lone{i}"))
+            # Eight callers at once (all queued before the worker looks): they overlap.
+            await asyncio.gather(*spawn(batcher, *(make_request(f"b{i}") for i in range(8))))
+
+    run(scenario(), timeout=2.0)
+    assert instance.batches == [["lone0"], ["lone1"], ["lone2"], [f"b{i}" for i in range(8)]]
+    assert all(max(record.queue_ns) < 1e9 for record in records)
 
 
 def test_incompatible_shapes_never_share_a_batch() -> None:
@@ -547,6 +572,7 @@ ConfigCase = Callable[[], object]
         (lambda: BatchPolicy(max_batch_size=-1), "max_batch_size"),
         (lambda: BatchPolicy(max_batch_size=4, preferred_batch_sizes=(8,)), "preferred"),
         (lambda: BatchPolicy(max_queue_delay_us=-5), "max_queue_delay_us"),
+        (lambda: BatchPolicy(queue_delay_policy="triton"), "queue_delay_policy"),  # type: ignore[arg-type]
         (lambda: BatchPolicy(priority_levels=2, default_priority_level=3), "default_priority"),
         (lambda: BatchPolicy(default_priority_level=1), "default_priority_level"),
         (
