@@ -11,12 +11,12 @@ KSERVE_PY := $(KSERVE_VENV)/bin/python
 KSERVE_STAMP := $(KSERVE_VENV)/.installed
 MESH   ?= deploy/local/mesh.yaml
 
-.PHONY: install models protos lint test test-fast run clean bench bench-llm gpu-check kserve-client system-packages phoenix bench-peers
+.PHONY: install models protos lint test test-fast run clean bench bench-llm gpu-check kserve-client system-packages phoenix bench-peers perf-analyzer
 
 # Debian packages of the real servers and tools the tests drive. `make test`
 # installs the missing ones where apt-get runs as root; elsewhere it names
 # them, and the tests that need one skip with a message that says so.
-DEBIAN_PACKAGES := redis-server prometheus chromium iproute2 curl
+DEBIAN_PACKAGES := redis-server prometheus chromium iproute2 curl libb64-0d
 
 # vLLM: the CUDA build where a GPU driver is present, else the CPU build.
 LLM_EXTRA := $(if $(shell command -v nvidia-smi 2>/dev/null),llm-cuda,llm-cpu)
@@ -62,6 +62,18 @@ $(PHOENIX_STAMP):
 
 phoenix: $(PHOENIX_STAMP)
 
+# Triton's perf_analyzer (tests/perf_analyzer.py): it ships in the tritonclient
+# 2.51.0 wheel (later ones need a newer glibc), which clashes with the project's
+# tritonclient, so it gets its own venv; libcudart comes from nvidia-cuda-runtime-cu12
+# and libb64 from Debian (DEBIAN_PACKAGES).
+PERF_ANALYZER_STAMP := $(CACHE)/venvs/perf-analyzer-2.51.0/.installed
+$(PERF_ANALYZER_STAMP):
+	test -x $(CACHE)/venvs/perf-analyzer-2.51.0/bin/python || $(PYTHON) -m venv $(CACHE)/venvs/perf-analyzer-2.51.0
+	$(CACHE)/venvs/perf-analyzer-2.51.0/bin/python -m pip install -q 'tritonclient==2.51.0' 'nvidia-cuda-runtime-cu12==12.9.79'
+	touch $(PERF_ANALYZER_STAMP)
+
+perf-analyzer: $(PERF_ANALYZER_STAMP)
+
 system-packages:
 	@missing=""; for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
@@ -85,7 +97,7 @@ lint: $(STAMP) $(BUF)
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
-test: lint models system-packages $(NODE_DEPS) $(KSERVE_STAMP) $(PHOENIX_STAMP)
+test: lint models system-packages $(NODE_DEPS) $(KSERVE_STAMP) $(PHOENIX_STAMP) $(PERF_ANALYZER_STAMP)
 	MESHSERVE_CACHE=$(CACHE) $(PY) -m pytest -q -p no:cacheprovider --durations=15
 
 test-fast: $(STAMP)
