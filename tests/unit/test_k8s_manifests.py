@@ -33,6 +33,7 @@ from gateway.envoy.main import EdgeConfig
 from gateway.http.main import HttpAdapterConfig
 from inference import model_config_pb2 as mc
 from models.smollm2 import MODEL_CONFIG as SMOLLM2_CONFIG
+from services.batch.main import BatchConfig
 from services.inference.main import InferenceConfig
 from services.orchestrator.main import OrchestratorConfig
 from services.postprocess.main import PostprocessConfig
@@ -59,13 +60,18 @@ SERVICES: dict[str, tuple[str, type[ServiceConfig]]] = {
     "postprocess": ("postprocess", PostprocessConfig),
     "http-adapter": ("http_adapter", HttpAdapterConfig),
     "envoy": ("envoy", EdgeConfig),
+    "batch": ("batch", BatchConfig),
 }
-SERVING_PORT = {"http-adapter": "http", "envoy": "edge"}
+SERVING_PORT = {"http-adapter": "http", "envoy": "edge", "batch": "metrics"}
 """The containerPort name of each service's serving port (default: grpc)."""
 HEALTHCHECK = "/usr/local/lib/meshserve/healthcheck.py"
 """Where the Containerfile puts deploy/k8s/image/healthcheck.py."""
 NOT_SETTINGS = {"MESHSERVE_CONFIG"}
 """MESHSERVE_* variables that are no config field (the mesh YAML's path)."""
+JOB_QUEUE = {"MESHSERVE_REDIS_URL", "MESHSERVE_JOBS_DIR"}
+"""Where the job APIs of the orchestrator and the HTTP adapter find the batch queue
+(read from the environment, as the local mesh sets them; the workers' are fields)."""
+JOBS_AT = "/var/lib/meshserve/jobs"
 
 
 @functools.cache
@@ -131,7 +137,9 @@ def service_config(
 ) -> ServiceConfig:
     """The container's settings, loaded as the container loads them."""
     section, cls = SERVICES[container["args"][0]]
-    env = {**image_env(), **{e["name"]: e["value"] for e in container.get("env", [])}}
+    # A value from the downward API (a worker's pod name) is some string at run time.
+    variables = {e["name"]: e.get("value", "a-pod-name") for e in container.get("env", [])}
+    env = {**image_env(), **variables}
     unknown = (
         {n for n in env if n.startswith("MESHSERVE_")}
         - NOT_SETTINGS
@@ -139,6 +147,7 @@ def service_config(
     )
     # The image sets MESHSERVE_MODEL_REPOSITORY for every service; only the stages read it.
     unknown.discard("MESHSERVE_MODEL_REPOSITORY")
+    unknown -= JOB_QUEUE
     assert not unknown, f"{container['name']}: {sorted(unknown)} set no {cls.__name__} field"
     config_path = Path(env["MESHSERVE_CONFIG"])
     volume = mounted_at(pod, container, config_path)
@@ -242,6 +251,11 @@ def test_ports_probes_and_services_agree_with_config(
         seen.add(name)
         config = service_config(rendered, pod, container, tmp_path)
         serving = port_number(container, SERVING_PORT.get(name, "grpc"))
+        if name == "batch":  # a worker serves nothing but its /metrics: no Service
+            assert config.metrics_port == serving, name
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert probed_port(container, container[kind], config) == serving, kind
+            continue
         assert getattr(config, "http_port", config.grpc_port) == serving, name
         metrics = [p for p in container["ports"] if p["name"] == "metrics"]
         assert [p["containerPort"] for p in metrics] == (
@@ -307,10 +321,58 @@ def test_addresses_name_services_that_exist(rendered: list[dict[str, Any]], tmp_
         # A replica gone from DNS is draining: the orchestrator moves its calls
         # elsewhere before the stage's own grace runs out and cuts them.
         assert orchestrator.retire_grace_s <= configs[stage].grace_period_s, stage
+    assert target(str(getattr(configs["batch"], "orchestrator", ""))) == "orchestrator"
     edge = configs["envoy"]
     assert isinstance(edge, EdgeConfig)
     assert target(edge.orchestrator) == "orchestrator"
     assert target(edge.http_adapter) == "http-adapter"
+
+
+def test_job_queue_is_one_persistent_redis_and_one_shared_volume(
+    rendered: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    deployments = {c["args"][0]: (d, c) for d, c in containers(rendered)}
+    worker_pod = deployments["batch"][0]["spec"]["template"]["spec"]
+    worker = service_config(rendered, worker_pod, deployments["batch"][1], tmp_path)
+    assert isinstance(worker, BatchConfig)
+    # The job APIs and the workers name one queue and one files folder.
+    for name in ("orchestrator", "http-adapter"):
+        deployment, container = deployments[name]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["MESHSERVE_REDIS_URL"] == worker.redis_url, name
+        assert Path(env["MESHSERVE_JOBS_DIR"]) == worker.jobs_dir, name
+    claims = set()
+    for name in ("orchestrator", "http-adapter", "batch"):
+        deployment, container = deployments[name]
+        volume = mounted_at(deployment["spec"]["template"]["spec"], container, worker.jobs_dir)
+        claims.add(volume["persistentVolumeClaim"]["claimName"])
+    (claim,) = claims
+    assert named(rendered, "PersistentVolumeClaim")[claim]["spec"]["accessModes"] == [
+        "ReadWriteMany"
+    ], "pods on different nodes share the files"
+    # The URL's host is the Service of a Redis that keeps an append-only file on its volume.
+    host, port = worker.redis_url.removeprefix("redis://").split("/")[0].split(":")
+    service = named(rendered, "Service")[host]
+    (redis,) = named(rendered, "StatefulSet").values()
+    assert service["spec"]["selector"] == redis["spec"]["selector"]["matchLabels"]
+    (container,) = redis["spec"]["template"]["spec"]["containers"]
+    (service_port,) = service["spec"]["ports"]
+    assert service_port["port"] == int(port)
+    assert port_number(container, service_port["targetPort"]) == int(port)
+    args = container["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    assert args[args.index("--port") + 1] == port
+    data = args[args.index("--dir") + 1]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == data]
+    templates = [t["metadata"]["name"] for t in redis["spec"]["volumeClaimTemplates"]]
+    assert mount["name"] in templates, "the AOF lives on the StatefulSet's persistent volume"
+    ingress = named(rendered, "NetworkPolicy")[host]["spec"]["ingress"]
+    sources = {
+        peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+        for rule in ingress
+        for peer in rule["from"]
+    }
+    assert sources == {"orchestrator", "http-adapter", "batch"}
 
 
 def test_secrets_carry_the_credentials(rendered: list[dict[str, Any]], tmp_path: Path) -> None:
@@ -331,7 +393,7 @@ def test_secrets_carry_the_credentials(rendered: list[dict[str, Any]], tmp_path:
 
 def test_pods_run_locked_down(rendered: list[dict[str, Any]]) -> None:
     for obj in rendered:
-        if obj["kind"] not in ("Deployment", "Job"):
+        if obj["kind"] not in ("Deployment", "StatefulSet", "Job"):
             continue
         pod = obj["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True, obj["metadata"]["name"]
@@ -387,7 +449,7 @@ def test_pod_monitor_scrapes_every_metrics_port(rendered: list[dict[str, Any]]) 
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert selector.items() <= labels.items()
         with_metrics += any(p["name"] == endpoint["port"] for p in container["ports"])
-    assert with_metrics == 6  # the four stages, the orchestrator, the HTTP adapter
+    assert with_metrics == 7  # the four stages, the orchestrator, the HTTP adapter, the workers
 
 
 def test_gpu_overlay_runs_the_llm_on_gpus() -> None:

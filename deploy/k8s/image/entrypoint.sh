@@ -13,6 +13,7 @@ case "$service" in
   postprocess) module=services.postprocess.main ;;
   http-adapter) module=gateway.http.main ;;
   envoy) module=gateway.envoy.main ;;
+  batch) module=services.batch.main ;;
   # Fills the model volume $MESHSERVE_CACHE (only the `models` image has the
   # model wheels), lays any config.pbtxt overrides from $MESHSERVE_MODEL_CONFIGS
   # (files named <model>.pbtxt) over the prepared ones, then marks it ready.
@@ -34,7 +35,7 @@ case "$service" in
     exit 0 ;;
   *)
     echo "usage: meshserve-entrypoint SERVICE [FLAGS...]; SERVICE is one of:" >&2
-    echo "  orchestrator inference tokenizer preprocess postprocess http-adapter envoy" >&2
+    echo "  orchestrator inference tokenizer preprocess postprocess http-adapter envoy batch" >&2
     echo "  prepare-models wait-for-models" >&2
     exit 2 ;;
 esac
