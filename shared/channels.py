@@ -20,6 +20,9 @@ from opentelemetry import trace
 from shared.interceptors import client_interceptors
 from shared.mtls import MeshTls
 
+RECONNECT_BACKOFF_MS = (250, 1000)
+"""First and longest wait between attempts to reconnect to a peer that went away."""
+
 _identity: list[MeshTls] = []
 """The process's mutual TLS identity, when it has one (at most one entry)."""
 
@@ -45,6 +48,10 @@ def open_channels(
         # connection, which is exactly what the pool is meant to avoid.
         ("grpc.use_local_subchannel_pool", 1),
         ("grpc.keepalive_time_ms", 30_000),
+        # A peer that restarted is back within seconds; gRPC's default backoff
+        # (1 s growing 1.6x) would reconnect to it only after up to twice that.
+        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
     ]
     tls = mesh_tls()
     if tls is None:
