@@ -19,7 +19,11 @@ from deploy.local.procfs import start_ticks
 
 READY_MARKER = "MESHSERVE_READY"
 HEALTHY_AFTER_S = 30.0
-"""A process that ran this long before it exited restarts after the first delay again."""
+"""A process that ran this long before it exited restarts at once, and a crash after
+that restart waits the first delay again."""
+ORPHAN_GRACE_S = 2.0
+"""After a crash, how long what the process left behind (vLLM's engine) may take to
+end on SIGTERM before SIGKILL: nothing can use it any more, and the restart waits."""
 EXIT_POLL_S = 0.1
 """How often a running process is checked for having exited."""
 
@@ -89,16 +93,17 @@ class ManagedProcess:
             if self.stopping:
                 return
             # What the process left behind (an LLM engine holding its memory) goes first.
-            await self._end_tree()
-            if time.monotonic() - started > HEALTHY_AFTER_S:
-                delay = self.backoff[0]
+            await self._end_tree(min(self.grace_s, ORPHAN_GRACE_S))
+            # One crash after a good run is restarted at once; a crash loop backs off.
+            healthy = time.monotonic() - started > HEALTHY_AFTER_S
+            wait = 0.0 if healthy else delay
+            delay = self.backoff[0] if healthy else min(delay * 2, self.backoff[1])
             self.restarts += 1
             log(
-                f"{self.spec.name} exited with {code}; restarting in {delay:.1f}s "
+                f"{self.spec.name} exited with {code}; restarting in {wait:.1f}s "
                 f"(restart {self.restarts})"
             )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self.backoff[1])
+            await asyncio.sleep(wait)
 
     async def _start(self) -> bool:
         """Start the process unless stopping (then False)."""
@@ -144,16 +149,17 @@ class ManagedProcess:
                 continue
             print(f"[{self.spec.name}] {line}", file=sys.stderr, flush=True)
 
-    async def _end_tree(self) -> None:
+    async def _end_tree(self, grace_s: float | None = None) -> None:
         """End the process and all it started (once; a later call waits for the first)."""
+        grace_s = self.grace_s if grace_s is None else grace_s
         async with self._lifecycle:
             leader, self._leader = self._leader, None
             if leader is None:
                 return
-            killed = await end_process_tree(*leader, self.grace_s, self.hurry)
+            killed = await end_process_tree(*leader, grace_s, self.hurry)
         if killed:
             log(
-                f"{self.spec.name} did not stop within {self.grace_s:.1f}s: killed PIDs "
+                f"{self.spec.name} did not stop within {grace_s:.1f}s: killed PIDs "
                 f"{', '.join(map(str, killed))}"
             )
 
