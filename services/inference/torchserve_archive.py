@@ -43,6 +43,12 @@ INPUT = "body"
 """The model's one input: the request body, BYTES."""
 OUTPUT = "output"
 """The model's one output: what the handler returned for the request, BYTES."""
+HEADER_PREFIX = "header:"
+"""Request parameters ``header:<name>`` are the HTTP request's headers (lower case)."""
+CONTENT_TYPE = "content_type"
+"""Response parameter: the answer's content type (the handler's, else by its value)."""
+STATUS = "status_code"
+"""Response parameter: a status the handler set with ``context.set_response_status``."""
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 MAX_UNPACKED_BYTES = 8 * 1024**3
 """An archive that unpacks to more than this is refused (a zip bomb)."""
