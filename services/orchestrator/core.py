@@ -93,6 +93,16 @@ class Orchestrator:
         """One request's answer: an ensemble's, or the hosting stage's (forwarded)."""
         return await self._infer(request, Deadline.after(timeout_s))
 
+    def forwards(self, name: str) -> bool:
+        """True when a request for model ``name`` goes to its stage as it is: not a
+        route's and not an ensemble's, which run here (``infer``)."""
+        return self.routes.get(name) is None and self.ensembles.get(name) is None
+
+    async def forward(self, model: str, request: bytes, timeout_s: float | None = None) -> bytes:
+        """A serialised ModelInferRequest for a stage model (``forwards``), answered
+        by the stage hosting it; neither message is decoded here."""
+        return await self.router.forward(model, request, timeout_s)
+
     async def _infer(
         self, request: pb.ModelInferRequest, deadline: Deadline
     ) -> pb.ModelInferResponse:

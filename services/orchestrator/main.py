@@ -22,12 +22,12 @@ from services.orchestrator.route_api import ROUTE_SERVICE_NAME, RouteApiServicer
 from services.orchestrator.route_table import RouteTable
 from services.orchestrator.router import Discovery, StageAddress, StageRouter
 from services.orchestrator.routes import load_routes
-from services.orchestrator.servicer import OrchestratorServicer
+from services.orchestrator.servicer import OrchestratorServicer, add_orchestrator
 from shared.config import ServiceConfig, load_config
 from shared.launch import run_service
 from shared.repository import ModelRepository
 from shared.server import ServiceParts
-from shared.servicer import SERVICE_NAME, add_to_server
+from shared.servicer import SERVICE_NAME
 from shared.statistics import Metrics
 from shared.tracing import make_tracer_provider, tracer_for
 
@@ -88,7 +88,7 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
     routes = RouteTable(load_routes(config.model_repository), parts.registry)
     core = Orchestrator(router, ensembles, tracer, routes)
     parts.servicers = [
-        (add_to_server, OrchestratorServicer(core)),
+        (add_orchestrator, OrchestratorServicer(core)),
         (add_mesh_api, MeshApiServicer(core)),
         (add_route_api, RouteApiServicer(core)),
     ]

@@ -30,7 +30,7 @@ import itertools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
 
 import grpc
 from opentelemetry import trace
@@ -57,6 +57,9 @@ REFILL_DELAY_S = 0.05
 
 StageCall = Callable[["Stub"], Awaitable[T]]
 """One typed RPC on a replica's stub (``lambda stub: stub.ModelInfer(request)``)."""
+RawCall: TypeAlias = "grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]"
+"""ModelInfer on serialised messages: a request forwarded without decoding it."""
+INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,8 @@ class Endpoint:
     address: StageAddress
     stubs: list[Stub]
     channels: list[grpc.aio.Channel]
+    raw_calls: list[RawCall] = field(default_factory=list)
+    """ModelInfer without (de)serialisers, one per channel: a request forwarded as it is."""
     models: set[str] = field(default_factory=set)
     """Models READY on this replica (calls go only to these)."""
     listed: set[str] = field(default_factory=set)
@@ -110,6 +115,10 @@ class Endpoint:
     def stub(self) -> Stub:
         """The next channel's stub (round robin over the pool)."""
         return self.stubs[next(self._next)]
+
+    def raw_infer(self) -> RawCall:
+        """ModelInfer on the next channel, on serialised messages both ways."""
+        return self.raw_calls[next(self._next)]
 
     def stream(self) -> StageStream:
         """A ModelStreamInfer call: a spare when one is still open, else a new one.
@@ -169,7 +178,9 @@ def open_endpoint(
     opened = open_channels(address.target, channels, max_message_bytes, tracer)
     # The stub's type follows its channel's, which grpc leaves untyped: say it.
     stubs = [cast("Stub", pb_grpc.GRPCInferenceServiceStub(c)) for c in opened]
-    endpoint = Endpoint(address, stubs, opened)
+    # No serialisers: the bytes go out and come back as they are.
+    raw_calls = [c.unary_unary(INFER_METHOD) for c in opened]
+    endpoint = Endpoint(address, stubs, opened, raw_calls)
     endpoint._next = itertools.cycle(range(channels))
     return endpoint
 
@@ -399,6 +410,17 @@ class StageRouter:
         when the first cannot be reached (Unavailable: the request is not at fault)
         or cancelled the call itself (CANCELLED from a stage: it stopped with the
         call in flight; the caller's own going away is asyncio's CancelledError)."""
+        return await self._call(model, lambda endpoint: invoke(endpoint.stub()), retry)
+
+    async def forward(self, model: str, request: bytes, timeout_s: float | None) -> bytes:
+        """A serialised ModelInferRequest answered by a replica of ``model``, the
+        answer serialised as the replica sent it (retried as ``call`` is)."""
+        answer: bytes = await self._call(
+            model, lambda endpoint: endpoint.raw_infer()(request, timeout=timeout_s), True
+        )
+        return answer
+
+    async def _call(self, model: str, invoke: Callable[[Endpoint], Awaitable[T]], retry: bool) -> T:
         tried: set[int] = set()
         attempts = 2 if retry else 1
         last: Unavailable | Cancelled | None = None
@@ -416,7 +438,7 @@ class StageRouter:
             endpoint.calls.add(task)
             try:
                 with remote():
-                    return await invoke(endpoint.stub())
+                    return await invoke(endpoint)
             except (Unavailable, Cancelled) as exc:
                 last = exc
                 log.warning("%s failed a call for '%s': %s", endpoint.describe(), model, exc)

@@ -3,20 +3,32 @@
 Each RPC takes the caller's deadline from its context, calls the core
 (core.py) and wraps the answer in the RPC's response; the core's errors
 become statuses in the server interceptor. Nothing else happens here.
+
+ModelInfer is registered on serialised messages (``add_orchestrator``): a
+stage model's request is forwarded as it is, after reading only its model
+name from the wire (``shared.wireformat``), and the stage's answer goes back
+untouched; decoding and encoding the tensors on the way cost the orchestrator
+more than the routing. A route's or an ensemble's request is decoded and runs
+in the core as before.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Protocol, TypeAlias, TypeVar
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
+from opentelemetry import trace
 
 from inference import grpc_service_pb2 as pb
+from inference import grpc_service_pb2_grpc as pb_grpc
 from services.orchestrator.core import Orchestrator
 from services.orchestrator.route_headers import announce_target, take_route_headers
-from shared.servicer import BaseServicer
+from shared.errors import InvalidArgument
+from shared.servicer import SERVICE_NAME, BaseServicer
+from shared.wireformat import WireError, infer_header
 
 Request = TypeVar("Request")
 Reply = TypeVar("Reply")
@@ -74,6 +86,27 @@ class OrchestratorServicer(BaseServicer):
         config = await self.core.config(request.name, request.version, timeout_of(context))
         return pb.ModelConfigResponse(config=config)
 
+    async def forward_infer(self, request: bytes, context: Context[bytes, bytes]) -> bytes:
+        """ModelInfer on the serialised request: forwarded to the stage as it is
+        when its model is a stage's, else decoded and answered by ``ModelInfer``."""
+        try:
+            model = infer_header(request).model_name
+        except WireError:
+            model = None  # decoded below, which names what is wrong
+        if model is not None and self.core.forwards(model):
+            span = trace.get_current_span()
+            if span.is_recording():
+                span.set_attribute("meshserve.model", model)
+            return await self.core.forward(model, request, timeout_of(context))
+        try:
+            decoded = pb.ModelInferRequest.FromString(request)
+        except DecodeError:
+            raise InvalidArgument(
+                "the request is not a valid inference.ModelInferRequest message"
+            ) from None
+        response = await self.ModelInfer(decoded, context)
+        return response.SerializeToString()
+
     async def ModelInfer(
         self,
         request: pb.ModelInferRequest,
@@ -125,3 +158,29 @@ class OrchestratorServicer(BaseServicer):
     ) -> pb.RepositoryModelUnloadResponse:
         await self.core.unload(request.model_name, request.parameters)
         return pb.RepositoryModelUnloadResponse()
+
+
+class _Registrations:
+    """Catches the method handlers the generated code registers on a server."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+
+    def add_generic_rpc_handlers(self, _: Any) -> None:
+        """The same handlers again, generically: ``handlers`` has them."""
+
+    def add_registered_method_handlers(
+        self, _: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
+    ) -> None:
+        """Keep the handlers."""
+        self.handlers = dict(handlers)
+
+
+def add_orchestrator(servicer: OrchestratorServicer, server: grpc.aio.Server) -> None:
+    """Register the v2 service, ModelInfer on serialised messages (``forward_infer``)."""
+    caught = _Registrations()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, caught)
+    handlers = caught.handlers
+    handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(servicer.forward_infer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)

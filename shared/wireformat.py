@@ -1,0 +1,119 @@
+"""Reading and amending a serialised v2 message without decoding it.
+
+A hop that only routes a request (the orchestrator forwarding a stage model's
+ModelInfer) needs three strings of it: the model's name and version, and the
+request id. Decoding the whole message, tensors included, and encoding it
+again for the next hop costs more than the routing itself, so these helpers
+read the protobuf wire format directly: each top-level field is a tag and a
+value, and a length-delimited value (a string, a nested message, a tensor's
+bytes) is skipped by its length without being looked at.
+
+Protobuf merges repeated occurrences of a singular field, the last one
+winning, so a field is also *set* on a serialised message by appending it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_LENGTH_DELIMITED = 2
+_FIXED = {1: 8, 5: 4}
+"""Wire types of fixed size -> their byte count (64-bit, 32-bit)."""
+_VARINT = 0
+_MODEL_NAME, _MODEL_VERSION, _ID = 1, 2, 3
+"""Field numbers shared by ModelInferRequest and ModelInferResponse."""
+
+
+class WireError(ValueError):
+    """The bytes are not a well-formed protobuf message."""
+
+
+@dataclass(frozen=True, slots=True)
+class InferHeader:
+    """What a hop needs to route a ModelInferRequest."""
+
+    model_name: str
+    model_version: str
+    id: str
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    """The varint at ``pos`` and the position after it."""
+    result = shift = 0
+    size = len(data)
+    while pos < size:
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+        if shift >= 64:
+            break
+    raise WireError("malformed varint")
+
+
+def _strings(data: bytes, wanted: tuple[int, ...]) -> dict[int, bytes]:
+    """The last value of each length-delimited field of ``wanted`` at the top level.
+
+    Every field is walked (a field may occur more than once, and the last
+    occurrence wins), so a message cut short or with a bad tag is a WireError.
+    """
+    found: dict[int, bytes] = {}
+    pos, size = 0, len(data)
+    while pos < size:
+        tag, pos = _varint(data, pos)
+        number, kind = tag >> 3, tag & 7
+        if number == 0:
+            raise WireError("field number 0")
+        if kind == _LENGTH_DELIMITED:
+            length, pos = _varint(data, pos)
+            end = pos + length
+            if end > size:
+                raise WireError(f"field {number} runs past the end of the message")
+            if number in wanted:
+                found[number] = data[pos:end]
+            pos = end
+        elif kind == _VARINT:
+            _, pos = _varint(data, pos)
+        elif kind in _FIXED:
+            pos += _FIXED[kind]
+            if pos > size:
+                raise WireError(f"field {number} runs past the end of the message")
+        else:
+            raise WireError(f"unsupported wire type {kind} (field {number})")
+    return found
+
+
+def infer_header(data: bytes) -> InferHeader:
+    """Model name, version and id of a serialised ModelInferRequest (or
+    response: the fields are numbered alike); WireError if it is malformed."""
+    found = _strings(data, (_MODEL_NAME, _MODEL_VERSION, _ID))
+    try:
+        return InferHeader(
+            found.get(_MODEL_NAME, b"").decode(),
+            found.get(_MODEL_VERSION, b"").decode(),
+            found.get(_ID, b"").decode(),
+        )
+    except UnicodeDecodeError as exc:
+        raise WireError(f"a string field is not UTF-8: {exc}") from None
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def string_field(number: int, value: str) -> bytes:
+    """One length-delimited field, serialised (append it to set the field)."""
+    encoded = value.encode()
+    return _encode_varint(number << 3 | _LENGTH_DELIMITED) + _encode_varint(len(encoded)) + encoded
+
+
+def with_id(data: bytes, request_id: str) -> bytes:
+    """A serialised ModelInferRequest or ModelInferResponse with its id set."""
+    return data + string_field(_ID, request_id)
