@@ -30,6 +30,7 @@ from services.orchestrator.ensemble import (
     is_finished,
 )
 from services.orchestrator.ensembles import ENSEMBLE_VERSION, EnsembleRegistry
+from services.orchestrator.route_headers import FINAL_ONLY_PARAMETER
 from services.orchestrator.router import StageRouter
 from services.orchestrator.streaming import StepStreams, relay, step_request, wire_outputs
 from shared.classification import classification
@@ -205,6 +206,10 @@ class EnsembleRunner:
             step: Step, inputs: Outputs, outputs: list[str]
         ) -> AsyncGenerator[Outputs, None]:
             sub = step_request(step, inputs, outputs, request.id)
+            # The engine serves by the caller's priority and, asked for, answers once.
+            for key in ("priority", FINAL_ONLY_PARAMETER):
+                if key in request.parameters:
+                    sub.parameters[key].CopyFrom(request.parameters[key])
             async for response in relay(self.router, sub, lambda: streams.open_soon(later)):
                 yield wire_outputs(response)
 
