@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from shared.errors import InvalidArgument
-from shared.tensors import DATATYPES, decode_raw, element_count, encode_raw, serialize_bytes
+from shared.tensors import DATATYPES, decode_raw, element_count, serialize_bytes
 
 _UINT64_MAX = 2**64 - 1
 _FLOATS = frozenset({"FP16", "FP32", "FP64", "BF16"})
@@ -103,7 +103,20 @@ def json_to_raw(name: str, datatype: str, shape: list[int], data: Any) -> bytes:
     _check_count(what, shape, count, values.size)
     _check_kind(what, datatype, values)
     with np.errstate(over="ignore"):
-        return encode_raw(values.astype(dtype))
+        # DATATYPES are little-endian and astype's copy is contiguous: its bytes are the raw form.
+        raw: bytes = values.astype(dtype).tobytes()
+        return raw
+
+
+def raw_to_data(name: str, datatype: str, shape: list[int], raw: bytes) -> np.ndarray | list[Any]:
+    """An output's raw bytes as flat JSON ``data``: a numpy array orjson writes as a
+    list (``OPT_SERIALIZE_NUMPY``), or a list of strings for BYTES."""
+    if datatype == "BYTES":
+        return raw_to_json(name, datatype, shape, raw)
+    array = decode_raw(name, datatype, shape, raw).reshape(-1)
+    if datatype in ("FP16", "BF16"):
+        return array.astype(np.float32)
+    return array
 
 
 def raw_to_json(name: str, datatype: str, shape: list[int], raw: bytes) -> list[Any]:
