@@ -79,7 +79,8 @@ class EdgeSettings:
     """Share of requests without a sampled traceparent that Envoy starts a recorded trace for."""
     trace_store: str | None = None
     """host:port of the trace store's query port: /traces and Jaeger's /api go there."""
-    access_log: bool = True
+    access_log: bool = False
+    """A stdout access-log line per request (EdgeConfig.access_log)."""
     extra_clusters: tuple[dict[str, Any], ...] = field(default_factory=tuple)
     upstream_tls: UpstreamTls | None = None
     """Mutual TLS toward the orchestrator and the HTTP adapter (upstream_tls.py)."""

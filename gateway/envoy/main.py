@@ -91,8 +91,9 @@ class EdgeConfig(ServiceConfig):
     """Serve TLS with this certificate chain (with tls_key)."""
     tls_key: Path | None = None
     """Private key of tls_cert."""
-    access_log: bool = True
-    """Write Envoy's access log to stdout."""
+    access_log: bool = False
+    """Write Envoy's access log (a line per request) to stdout, which the supervisor
+    copies into its own log: off by default, as that costs CPU on every request."""
     torchserve_management_port: int = Field(-1, ge=-1, le=65535)
     """Port of TorchServe's management API (its own listener, on host); -1: off."""
     cors_origins: list[Annotated[str, Field(pattern=r"^(\*|https?://[^/\s]+)$")]] = Field(
