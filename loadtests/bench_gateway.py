@@ -1,7 +1,7 @@
 """One light request four ways: what the edge (Envoy, HTTP adapter, transcoding) costs.
 
     python loadtests/bench_gateway.py [--request embed|mlp] [--seconds 5] [--rounds 2]
-                                      [--in-flight 1,16] [--no-access-log] [--quick]
+                                      [--in-flight 1,16] [--access-log] [--quick]
 
 The request (``--request``): ``embed`` (default), ``text_embedding`` on one short
 text (tokenizer -> MiniLM -> mean pool); or ``mlp``, the 16 -> 8 test MLP on
@@ -15,7 +15,7 @@ one row (one stage, no ensemble: the edge's share is largest). It is sent as:
                    HTTP adapter (aiohttp) -> orchestrator over gRPC.
 
 In order: the mesh starts (``deploy.local.supervisor --ports auto``, the default
-mesh YAML, so Envoy's access log is on unless ``--no-access-log``); each way's
+mesh YAML; Envoy's access log is off unless ``--access-log``); each way's
 answer is checked once against the direct one; then closed-loop load (grpc.aio
 with several HTTP/2 connections; aiohttp with one keep-alive connection per
 worker) at each in-flight level, warmed up before a measured window, in
@@ -88,7 +88,7 @@ class Settings:
     connections: int
     """gRPC connections per run (HTTP uses one connection per worker)."""
     access_log: bool
-    """Envoy's stdout access log (on in the default mesh YAML)."""
+    """Envoy's stdout access log (off by default)."""
 
 
 @dataclass(frozen=True)
@@ -349,7 +349,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument("--text", default="A man is playing a guitar.", help="the embed text")
     add_load_flags(parser, seconds=5.0, warmup_s=1.5, settle_s=2.0, in_flight="1,16")
     parser.add_argument("--connections", type=int, default=4, help="gRPC connections")
-    parser.add_argument("--no-access-log", action="store_true", help="turn Envoy's access log off")
+    parser.add_argument("--access-log", action="store_true", help="turn Envoy's access log on")
     args = parser.parse_args(argv)
     load, levels = load_from_flags(args, quick_warmup_s=0.5)
     return Settings(
@@ -358,7 +358,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         load,
         levels,
         args.connections,
-        not args.no_access_log,
+        args.access_log,
     )
 
 
