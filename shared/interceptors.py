@@ -65,7 +65,21 @@ def _split(method: str) -> tuple[str, str]:
 
 
 class _HandlerWrapper(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Base of the server interceptors: wraps the handler the server found."""
+    """Base of the server interceptors: wraps the handler the server found.
+
+    An interceptor whose wrapping depends on the method alone (``by_method``)
+    keeps the last handler it made for each method, so an RPC allocates no
+    new one while the handler it wraps stays the same.
+    """
+
+    by_method = False
+    _made: dict[str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]]
+
+    def passes(
+        self, details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler[Any, Any]
+    ) -> bool:
+        """True when this call needs nothing of this interceptor (default: never)."""
+        return False
 
     async def intercept_service(
         self,
@@ -75,10 +89,17 @@ class _HandlerWrapper(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(details)
-        if handler is None:
-            return None
+        if handler is None or self.passes(details, handler):
+            return handler
+        if self.by_method:
+            made = self._made.get(details.method)
+            if made is not None and made[0] is handler:
+                return made[1]
         wrap = functools.partial(self.wrap, details=details)
-        return _rewrapped(handler, wrap, self.deserializer(handler))
+        wrapped = _rewrapped(handler, wrap, self.deserializer(handler))
+        if self.by_method:
+            self._made[details.method] = (handler, wrapped)
+        return wrapped
 
     def deserializer(self, handler: grpc.RpcMethodHandler[Any, Any]) -> Any:
         """The request deserializer to run (default: the handler's own)."""
@@ -190,9 +211,12 @@ class ErrorInterceptor(_HandlerWrapper):
     """The one error map: a handler's exception becomes the RPC's status (and a
     request that does not decode, INVALID_ARGUMENT)."""
 
+    by_method = True
+
     def __init__(self) -> None:
         # One wrapper per deserializer, made on its first call: nothing new per RPC.
         self._decoders: dict[tuple[Any, bool], Callable[[bytes], Any]] = {}
+        self._made = {}
 
     def deserializer(self, handler: grpc.RpcMethodHandler[Any, Any]) -> Any:
         """The handler's deserializer, answering a request that does not decode."""
@@ -239,6 +263,17 @@ class TracingInterceptor(_HandlerWrapper):
 
     def __init__(self, tracer: trace.Tracer) -> None:
         self._tracer = tracer
+        self._silent = isinstance(tracer, trace.NoOpTracer)
+
+    def passes(
+        self, details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler[Any, Any]
+    ) -> bool:
+        """A call with no trace to continue, to a server that records none: its span
+        would be an invalid one, so no span and no context are set up for it. (A
+        bidirectional stream may carry its trace in its first request instead.)"""
+        if not self._silent or (handler.request_streaming and handler.response_streaming):
+            return False
+        return not any(key == TRACEPARENT for key, _ in details.invocation_metadata or ())
 
     def wrap(
         self, behavior: Behavior, bidirectional: bool, details: grpc.HandlerCallDetails
@@ -374,7 +409,10 @@ class DrainGate(_HandlerWrapper):
     shutdown waits on an event rather than polling the count.
     """
 
+    by_method = True
+
     def __init__(self) -> None:
+        self._made = {}
         self.in_flight = 0
         self.draining = False
         self._idle = asyncio.Event()
