@@ -87,6 +87,16 @@ output [
     name: "COMPLETION_TOKENS"
     data_type: TYPE_INT32
     dims: [ 1 ]
+  }},
+  {{
+    name: "LOGPROB_IDS"
+    data_type: TYPE_INT64
+    dims: [ -1, -1 ]
+  }},
+  {{
+    name: "LOGPROBS"
+    data_type: TYPE_FP32
+    dims: [ -1, -1 ]
   }}
 ]
 parameters {{
@@ -188,6 +198,18 @@ input [
     data_type: TYPE_STRING
     dims: [ 1 ]
     optional: true
+  },
+  {
+    name: "LOGPROB_IDS"
+    data_type: TYPE_INT64
+    dims: [ -1, -1 ]
+    optional: true
+  },
+  {
+    name: "LOGPROBS"
+    data_type: TYPE_FP32
+    dims: [ -1, -1 ]
+    optional: true
   }
 ]
 output [
@@ -198,6 +220,11 @@ output [
   },
   {
     name: "FINISH_REASON"
+    data_type: TYPE_STRING
+    dims: [ 1 ]
+  },
+  {
+    name: "TOKEN_LOGPROBS"
     data_type: TYPE_STRING
     dims: [ 1 ]
   }
@@ -253,6 +280,11 @@ output [
     name: "COMPLETION_TOKENS"
     data_type: TYPE_INT32
     dims: [ 1 ]
+  },
+  {
+    name: "TOKEN_LOGPROBS"
+    data_type: TYPE_STRING
+    dims: [ 1 ]
   }
 ]
 ensemble_scheduling {
@@ -274,6 +306,8 @@ ensemble_scheduling {
       output_map { key: "ENGINE_FINISH" value: "engine_finish" }
       output_map { key: "PROMPT_TOKENS" value: "PROMPT_TOKENS" }
       output_map { key: "COMPLETION_TOKENS" value: "COMPLETION_TOKENS" }
+      output_map { key: "LOGPROB_IDS" value: "logprob_ids" }
+      output_map { key: "LOGPROBS" value: "logprobs" }
     },
     {
       model_name: "smollm2_detokenizer"
@@ -282,8 +316,11 @@ ensemble_scheduling {
       input_map { key: "NEW_TOKENS" value: "new_tokens" }
       input_map { key: "ENGINE_FINISH" value: "engine_finish" }
       input_map { key: "SAMPLING" value: "SAMPLING" }
+      input_map { key: "LOGPROB_IDS" value: "logprob_ids" }
+      input_map { key: "LOGPROBS" value: "logprobs" }
       output_map { key: "TEXT_DELTA" value: "TEXT_DELTA" }
       output_map { key: "FINISH_REASON" value: "FINISH_REASON" }
+      output_map { key: "TOKEN_LOGPROBS" value: "TOKEN_LOGPROBS" }
     }
   ]
 }

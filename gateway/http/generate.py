@@ -8,7 +8,8 @@
 A request is ``{"text_input": ..., "parameters": {...}}``, as Triton takes it,
 and also reads the other inputs of Triton's vLLM backend, so its clients work
 unchanged: sampling settings in ``parameters`` (temperature, top_p, top_k,
-max_tokens, stop, stop_token_ids, seed, repetition_penalty) or in the JSON
+max_tokens, stop, stop_token_ids, seed, repetition_penalty, presence_penalty,
+frequency_penalty, min_p, min_tokens, ignore_eos) or in the JSON
 string ``sampling_parameters`` (``parameters`` wins; max_tokens is 16 unless
 set, as there), and ``stream`` and
 ``exclude_input_in_output``, top-level or in ``parameters``. Other fields are
@@ -61,6 +62,11 @@ SAMPLING_KEYS = (
     "stop_token_ids",
     "seed",
     "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_p",
+    "min_tokens",
+    "ignore_eos",
 )
 DEFAULT_MAX_TOKENS = 16
 """Tokens generated when the request names no max_tokens (vLLM's SamplingParams

@@ -33,8 +33,9 @@ from typing import Any
 from aiohttp import web
 
 from gateway.http import sse
+from gateway.http.openai_answer import Choices, Generation
 from gateway.http.openai_documents import (
-    Generation,
+    InvalidParam,
     chat_request,
     completion_request,
     detokenize_request,
@@ -62,6 +63,9 @@ def speaks_openai(path: str) -> bool:
     return path.startswith(PREFIX) or path in VLLM_PATHS
 
 
+NO_TOOL_FORMAT = "has no tool format"
+"""How the tokenizer step says a chat template renders no tools."""
+
 # Bodies up to this size are parsed on the event loop; larger ones in a thread.
 _INLINE_BYTES = 256 * 1024
 
@@ -74,13 +78,10 @@ class _Chunks:
 
     generation: Generation
     trailer: bytes = sse.DONE
-    opened: bool = False
 
     def documents(self, delta: api.TextDelta) -> list[dict[str, Any]]:
-        """The chunks of ``delta``; a chat's first ones follow its role chunk."""
-        opening = [self.generation.chunk(None)] if self.generation.chat and not self.opened else []
-        self.opened = True
-        return [*opening, *self.generation.chunks(delta)]
+        """The chunks of ``delta`` (a chat choice's first ones follow its role chunk)."""
+        return self.generation.chunks(delta)
 
     def closing(self) -> list[dict[str, Any]]:
         """The usage chunk, when ``stream_options.include_usage``."""
@@ -94,11 +95,18 @@ class _Chunks:
 async def _collect(
     generation: Generation, first: api.TextDelta, rest: AsyncIterator[api.TextDelta]
 ) -> web.Response:
-    texts, finish = [first.text], generation.absorb(first)
+    choices = Choices(generation)
+    choices.add(first)
     async for delta in rest:
-        texts.append(delta.text)
-        finish = generation.absorb(delta) or finish
-    return web.json_response(generation.document("".join(texts), finish or "stop"))
+        choices.add(delta)
+    return web.json_response(choices.document())
+
+
+def _tools_refused(error: InvalidArgument) -> InvalidArgument:
+    """The tokenizer step's refusal of tools, naming the field as OpenAI's errors do."""
+    if NO_TOOL_FORMAT in error.message:
+        return InvalidParam("tools", error.message, "unsupported_parameter")
+    return error
 
 
 class OpenAIApi:
@@ -131,7 +139,10 @@ class OpenAIApi:
         # disconnects) closes the stream, which cancels the RPC.
         async with contextlib.aclosing(stream) as deltas:
             # Errors raised before the first delta still get their own HTTP status.
-            first = await anext(deltas, api.TextDelta(finish_reason="stop"))
+            try:
+                first = await anext(deltas, api.TextDelta(finish_reason="stop"))
+            except InvalidArgument as exc:
+                raise _tools_refused(exc) from exc
             if generation.stream:
                 return await sse.respond(request, _Chunks(generation), first, deltas)
             return await _collect(generation, first, deltas)

@@ -12,14 +12,13 @@ Nothing here knows aiohttp or gRPC: functions take dicts and protos.
 from __future__ import annotations
 
 import base64
-import time
-import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from gateway.http import openai_fields as fields
+from gateway.http.openai_answer import Generation
 from gateway.http.openai_protocol import (
     DEFAULT_EMBEDDER,
     DEFAULT_LLM,
@@ -33,8 +32,6 @@ from gateway.http.openai_protocol import (
     parse,
 )
 from meshserve.v1 import meshserve_pb2 as api
-from shared.errors import Unavailable
-from shared.trace_ids import current_trace_id
 
 __all__ = ["DEFAULT_EMBEDDER", "DEFAULT_LLM", "InvalidParam", "kind"]
 
@@ -66,20 +63,70 @@ def error_document(status: int, message: str, exc: BaseException | None = None) 
 # --- request JSON -> MeshService requests (pure) --------------------------------------
 
 
+def _sampling(request: ChatCompletionRequest | CompletionRequest, body: Mapping[str, Any]) -> Any:
+    """The request's SamplingParams with the fields openai_fields checks."""
+    sampling = request.sampling()
+    sampling.logit_bias.update(fields.logit_bias(request.logit_bias))
+    structured = (
+        fields.response_format(request.response_format)
+        or fields.structured_outputs(request.structured_outputs)
+        or fields.guided(dict(body))
+    )
+    if structured is not None:
+        sampling.structured.CopyFrom(structured)
+    return sampling
+
+
 def chat_request(body: Mapping[str, Any]) -> tuple[api.ChatRequest, Generation]:
     """A ``/v1/chat/completions`` body as a ChatRequest and its answer's bookkeeping."""
     request = parse(ChatCompletionRequest, body)
     model = request.model or DEFAULT_LLM
-    message = api.ChatRequest(messages=request.messages, model=model, sampling=request.sampling())
-    return message, Generation(True, model, request.stream, request.stream_options)
+    sampling = _sampling(request, body)
+    if request.top_logprobs and not request.logprobs:
+        raise InvalidParam("top_logprobs", "needs logprobs: true")
+    if request.logprobs:
+        sampling.logprobs = request.top_logprobs or 0
+    tools = fields.tools(request.tools)
+    fields.tool_choice(request.tool_choice, bool(tools))
+    message = api.ChatRequest(
+        messages=request.messages, model=model, sampling=sampling, tools=tools
+    )
+    generation = Generation(
+        True,
+        model,
+        request.stream,
+        request.n or 1,
+        fields.stream_options(request.stream_options),
+        logprobs=sampling.logprobs if request.logprobs else None,
+    )
+    return message, generation
 
 
 def completion_request(body: Mapping[str, Any]) -> tuple[api.GenerateRequest, Generation]:
     """A ``/v1/completions`` body (one prompt string) as a GenerateRequest."""
     request = parse(CompletionRequest, body)
     model = request.model or DEFAULT_LLM
-    message = api.GenerateRequest(prompt=request.prompt, model=model, sampling=request.sampling())
-    return message, Generation(False, model, request.stream, request.stream_options)
+    sampling = _sampling(request, body)
+    n = request.n or 1
+    if request.best_of is not None and request.best_of != n:
+        problem = f"only best_of equal to n ({n}) is supported (every choice is returned)"
+        raise InvalidParam("best_of", problem, "unsupported_parameter")
+    if request.logprobs is not None:
+        sampling.logprobs = request.logprobs
+    if request.echo and request.logprobs is not None:
+        problem = "echo with logprobs (the prompt's logprobs) is not supported"
+        raise InvalidParam("echo", problem, "unsupported_parameter")
+    generate = api.GenerateRequest(prompt=request.prompt, model=model, sampling=sampling)
+    generation = Generation(
+        False,
+        model,
+        request.stream,
+        n,
+        fields.stream_options(request.stream_options),
+        logprobs=request.logprobs,
+        echo=request.prompt if request.echo else "",
+    )
+    return generate, generation
 
 
 def embed_request(body: Mapping[str, Any]) -> tuple[api.EmbedRequest, str, int | None]:
@@ -111,82 +158,6 @@ def tokenize_document(response: api.TokenizeResponse) -> dict[str, Any]:
         "tokens": tokens,
         "token_strs": None,
     }
-
-
-# --- TextDeltas -> OpenAI documents (pure) ----------------------------------------------
-
-
-@dataclass
-class Generation:
-    """One chat or text completion being answered: its id and running token counts."""
-
-    chat: bool
-    model: str
-    stream: bool = False
-    include_usage: bool = False
-    created: int = field(default_factory=lambda: int(time.time()))
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        # The request's trace id (the same 32 hex digits as a uuid): the id finds the trace.
-        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{current_trace_id() or uuid.uuid4().hex}"
-
-    def absorb(self, delta: api.TextDelta) -> str | None:
-        """Count ``delta``'s tokens; its finish reason, if it is the last one."""
-        self.prompt_tokens = max(self.prompt_tokens, delta.prompt_tokens)
-        self.completion_tokens = max(self.completion_tokens, delta.completion_tokens)
-        if delta.finish_reason == "abort":
-            raise Unavailable("the generation was aborted by the server; retry the request")
-        return delta.finish_reason or None
-
-    def usage(self) -> dict[str, int]:
-        """OpenAI's ``usage`` object."""
-        total = self.prompt_tokens + self.completion_tokens
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": total,
-        }
-
-    def _head(self, chunk: bool) -> dict[str, Any]:
-        kind = "chat.completion" if self.chat else "text_completion"
-        kind += ".chunk" if chunk and self.chat else ""
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
-
-    def document(self, text: str, finish: str) -> dict[str, Any]:
-        """The whole (non-streamed) answer."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {**self._head(False), "choices": [choice], "usage": self.usage()}
-
-    def chunk(self, text: str | None, finish: str | None = None) -> dict[str, Any]:
-        """One streamed chunk: ``text`` (None: the role chunk, or the finish chunk)."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
-        if not self.chat:
-            choice["text"] = text or ""
-        elif finish is not None:
-            choice["delta"] = {}
-        else:
-            role = {"role": "assistant", "content": ""}
-            choice["delta"] = role if text is None else {"content": text}
-        document = {**self._head(True), "choices": [choice]}
-        if self.include_usage:
-            document["usage"] = None
-        return document
-
-    def chunks(self, delta: api.TextDelta) -> list[dict[str, Any]]:
-        """The chunks one TextDelta becomes: its text, then the finish chunk if last."""
-        finish = self.absorb(delta)
-        out = [self.chunk(delta.text)] if delta.text else []
-        return [*out, self.chunk(None, finish)] if finish else out
-
-    def usage_chunk(self) -> dict[str, Any]:
-        """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
-        return {**self._head(True), "choices": [], "usage": self.usage()}
 
 
 def models_document(response: api.ListModelsResponse) -> dict[str, Any]:

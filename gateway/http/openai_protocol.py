@@ -31,22 +31,15 @@ DEFAULT_EMBEDDER = "text_embedding"
 INT32_MAX = 2**31 - 1
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
+MAX_CHOICES = 128
+"""The most choices (``n``) one request may ask for."""
+MAX_LOGPROBS = 20
+"""The most top alternatives per token (OpenAI's limit, and vLLM's default)."""
 # Field -> the values that ask for nothing this server lacks.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
-    "frequency_penalty": (None, 0),
-    "presence_penalty": (None, 0),
-    "logit_bias": (None, {}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
-    "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
 }
 # vLLM's /tokenize fields the mesh's tokenizer step does not take, and their neutral values.
@@ -157,14 +150,6 @@ def _model_name(value: Any, info: ValidationInfo) -> str | None:
     return value or None
 
 
-def _include_usage(value: Any, info: ValidationInfo) -> bool:
-    options = value or {}
-    usage = options.get("include_usage", False) if isinstance(options, dict) else None
-    if not isinstance(usage, bool):
-        raise InvalidParam(_name(info), "expected an object with boolean include_usage")
-    return usage
-
-
 def unsupported(table: Mapping[str, tuple[Any, ...]]) -> Check:
     """A field this server cannot honour: only its neutral values (``table``) pass."""
 
@@ -257,31 +242,30 @@ class _Body(BaseModel):
 class SamplingFields(_Body):
     """The sampling fields of a (chat) completion, and of Triton's generate ``parameters``."""
 
-    n: Unsupported = None
-    frequency_penalty: Unsupported = None
-    presence_penalty: Unsupported = None
-    logit_bias: Unsupported = None
-    logprobs: Unsupported = None
-    top_logprobs: Unsupported = None
-    tools: Unsupported = None
-    tool_choice: Unsupported = None
+    n: Annotated[int | None, BeforeValidator(integer(1, MAX_CHOICES))] = None
+    frequency_penalty: Annotated[float | None, BeforeValidator(number(-2.0, 2.0))] = None
+    presence_penalty: Annotated[float | None, BeforeValidator(number(-2.0, 2.0))] = None
+    logit_bias: Any = None
+    """Checked by openai_fields.logit_bias."""
     functions: Unsupported = None
     function_call: Unsupported = None
-    response_format: Unsupported = None
     modalities: Unsupported = None
-    best_of: Unsupported = None
-    echo: Unsupported = None
     suffix: Unsupported = None
     stop: Annotated[list[str], BeforeValidator(_strings)] = []
     stop_token_ids: Annotated[list[int], BeforeValidator(_token_ids)] = []
     temperature: Annotated[float | None, BeforeValidator(number(0.0, 2.0))] = None
     top_p: Annotated[float | None, BeforeValidator(number(0.0, 1.0, above_low=True))] = None
     repetition_penalty: Annotated[float | None, BeforeValidator(number(0.01, 10.0))] = None
+    min_p: Annotated[float | None, BeforeValidator(number(0.0, 1.0))] = None
+    min_tokens: Annotated[int | None, BeforeValidator(integer(0))] = None
+    ignore_eos: Annotated[bool | None, BeforeValidator(_switch)] = None
     max_tokens: Annotated[int | None, BeforeValidator(integer(1))] = None
     max_completion_tokens: Annotated[int | None, BeforeValidator(integer(1))] = None
     """The newer name of max_tokens; it wins when both are sent."""
     top_k: Annotated[int | None, BeforeValidator(integer(-1))] = None
     seed: Annotated[int | None, BeforeValidator(integer(-INT32_MAX - 1))] = None
+    user: Annotated[str | None, BeforeValidator(_model_name)] = None
+    """Accepted and ignored, as vLLM does (it changes no answer)."""
 
     def sampling(self) -> api.SamplingParams:
         """The fields as meshserve.v1 SamplingParams (unset ones stay unset)."""
@@ -293,6 +277,12 @@ class SamplingFields(_Body):
             "max_tokens": self.max_completion_tokens or self.max_tokens,
             "top_k": self.top_k,
             "seed": self.seed,
+            "n": self.n,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "min_p": self.min_p,
+            "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
         }
         for name, value in values.items():
             if value is not None:
@@ -303,8 +293,11 @@ class SamplingFields(_Body):
 class _Streamed(SamplingFields):
     model: Model = None
     stream: Switch = False
-    stream_options: Annotated[bool, BeforeValidator(_include_usage)] = False
-    """Whether ``stream_options.include_usage`` asks for a last usage chunk."""
+    stream_options: Any = None
+    """Checked by openai_fields.stream_options."""
+    response_format: Any = None
+    structured_outputs: Any = None
+    """vLLM's: json, json_object, regex, choice or grammar (openai_fields)."""
 
 
 class ChatCompletionRequest(_Streamed):
@@ -313,12 +306,20 @@ class ChatCompletionRequest(_Streamed):
     messages: Annotated[list[api.ChatMessage], BeforeValidator(chat_messages)] = Field(
         None, validate_default=True
     )
+    logprobs: Annotated[bool | None, BeforeValidator(_switch)] = None
+    top_logprobs: Annotated[int | None, BeforeValidator(integer(0, MAX_LOGPROBS))] = None
+    tools: Any = None
+    tool_choice: Any = None
 
 
 class CompletionRequest(_Streamed):
     """``POST /v1/completions``: one prompt string."""
 
     prompt: Annotated[str, BeforeValidator(_prompt)] = Field(None, validate_default=True)
+    logprobs: Annotated[int | None, BeforeValidator(integer(0, MAX_LOGPROBS))] = None
+    echo: Annotated[bool | None, BeforeValidator(_switch)] = None
+    best_of: Annotated[int | None, BeforeValidator(integer(1, MAX_CHOICES))] = None
+    """Accepted where it equals n: the mesh returns every choice it generates."""
 
 
 class TokenizeRequest(_Body):

@@ -2,9 +2,17 @@
 
 The translation is the HTTP adapter's own (``gateway.http.openai_documents``
 for the OpenAI bodies, ``gateway.http.rest`` for KServe v2 JSON), so a line's
-answer is the document the same request gets online. v2 lines carry the
-``priority`` parameter (the batcher's levels: 1 is the highest), so a model
-that declares ``priority_levels`` serves online requests first.
+answer is the document the same request gets online. Every line carries the
+worker's priority level (the v2 ``priority`` parameter; the ``x-meshserve-priority``
+header on the meshserve.v1 calls), capped at the lowest level its models
+declare, so models with ``priority_levels`` (and an LLM engine with priority
+scheduling) serve online requests first.
+
+A chat or completion line asks for the final response only
+(``x-meshserve-final-only``): the engine answers once with every token and
+the detokenizer runs once, instead of one message per token through three
+stages. Lines whose answer the stream shapes (stop strings, several choices,
+logprobs, tools) stream as online requests do.
 """
 
 from __future__ import annotations
@@ -17,8 +25,8 @@ from typing import Any
 import grpc
 import numpy as np
 
+from gateway.http.openai_answer import Choices, Generation
 from gateway.http.openai_documents import (
-    Generation,
     chat_request,
     completion_request,
     embed_request,
@@ -38,6 +46,19 @@ TRANSIENT = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
 )
 """Codes that say "not now" (the mesh restarting, a full queue): the line is tried again."""
+
+
+PRIORITY_HEADER = "x-meshserve-priority"
+FINAL_ONLY_HEADER = "x-meshserve-final-only"
+"""The orchestrator's request headers (services/orchestrator/route_headers.py)."""
+ANY_LEVEL = 1_000_000
+"""The cap of a model without a batcher (a decoupled engine): it takes any level."""
+FINAL_ONLY_FIELDS = frozenset(
+    {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
+     "top_p", "top_k", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty",
+     "min_p", "min_tokens", "ignore_eos", "logit_bias", "stop_token_ids", "user", "n"}
+)  # fmt: skip
+"""Body fields that leave the answer the same whether it streams or comes at once."""
 
 
 class Transient(Exception):
@@ -82,34 +103,50 @@ class LineRunner:
     async def _call(self, line: BatchLine) -> dict[str, Any]:
         if line.url == "/v1/embeddings":
             message, encoding, dimensions = embed_request(line.body)
-            answer = await self.mesh.Embed(message, timeout=self.timeout_s)
+            headers = await self._headers(message.model, line.body)
+            answer = await self.mesh.Embed(message, timeout=self.timeout_s, metadata=headers)
             return embeddings_document(answer, encoding, dimensions)
         if line.url == "/v1/chat/completions":
             chat, generation = chat_request(line.body)
-            return await self._generate(self.mesh.Chat(chat, timeout=self.timeout_s), generation)
+            headers = await self._headers(chat.model, line.body, generates=True)
+            call = self.mesh.Chat(chat, timeout=self.timeout_s, metadata=headers)
+            return await self._generate(call, generation)
         if line.url == "/v1/completions":
             prompt, generation = completion_request(line.body)
-            call = self.mesh.Generate(prompt, timeout=self.timeout_s)
+            headers = await self._headers(prompt.model, line.body, generates=True)
+            call = self.mesh.Generate(prompt, timeout=self.timeout_s, metadata=headers)
             return await self._generate(call, generation)
         match = V2_URL.match(line.url)
         assert match is not None  # lines.parse_line let only these through
         return await self._infer(match["model"], line.body)
 
     async def _generate(self, call: Any, generation: Generation) -> dict[str, Any]:
-        texts: list[str] = []
-        finish: str | None = None
+        choices = Choices(generation)
         async for response in call:
             delta: api.TextDelta = response.delta
-            texts.append(delta.text)
-            finish = generation.absorb(delta) or finish
-        return generation.document("".join(texts), finish or "stop")
+            choices.add(delta)
+        return choices.document()
+
+    async def _headers(
+        self, model: str, body: dict[str, Any], generates: bool = False
+    ) -> tuple[tuple[str, str], ...]:
+        """The meshserve.v1 call's headers: its priority, and final-only where it fits."""
+        headers: list[tuple[str, str]] = []
+        level = await self._level(model)
+        if level:
+            headers.append((PRIORITY_HEADER, str(level)))
+        if generates and set(body) <= FINAL_ONLY_FIELDS and body.get("n") in (None, 1):
+            headers.append((FINAL_ONLY_HEADER, "true"))
+        return tuple(headers)
 
     async def _level(self, model: str) -> int:
         """The priority level v2 lines of ``model`` get: ours, capped at the model's lowest.
 
         A model without priority levels gets none (it still sees at most
         ``concurrency`` lines at a time); an ensemble passes the level to every
-        step, so it gets one only when each of its steps has levels."""
+        step, so it gets one only when each of its steps has levels (a decoupled
+        engine has no batcher to refuse one: vLLM orders by it when its
+        ``scheduling_policy`` is ``priority``)."""
         if not self.priority:
             return 0
         if model not in self._levels:
@@ -120,9 +157,11 @@ class LineRunner:
         request = pb.ModelConfigRequest(name=model)
         config = (await self.v2.ModelConfig(request, timeout=self.timeout_s)).config
         steps = [step.model_name for step in config.ensemble_scheduling.step]
-        if config.platform != "ensemble" or not steps:
-            return int(config.dynamic_batching.priority_levels)
-        return min([await self._levels_of(step) for step in steps])
+        if config.platform == "ensemble" and steps:
+            return min([await self._levels_of(step) for step in steps])
+        if config.model_transaction_policy.decoupled:
+            return ANY_LEVEL
+        return int(config.dynamic_batching.priority_levels)
 
     async def _infer(self, model: str, body: dict[str, Any]) -> dict[str, Any]:
         payload, header_length = binary_body(body)

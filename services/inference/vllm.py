@@ -55,6 +55,8 @@ import numpy as np
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Metric
 from prometheus_client.registry import Collector
 
+from services.inference.vllm_sampling import logprob_arrays
+from services.inference.vllm_prefix import PrefixCacheMetrics
 from services.inference.vllm_settings import EngineSettings, Sampling, dtype_name, log_dtype
 from services.inference.vllm_trace import record_times
 from shared.backend import InstanceSpec, ModelSpec
@@ -145,6 +147,7 @@ class LlmMetrics:
         self.kv_cache_usage = gauge(
             "meshserve_llm_kv_cache_usage_ratio", "Share of the KV cache in use (0..1)"
         )
+        self.prefix_cache = PrefixCacheMetrics(registry)
 
     @property
     def gauges(self) -> tuple[Gauge, ...]:
@@ -277,8 +280,11 @@ class VllmInstance:
         self.metrics = metrics
         self.labels = (spec.name, str(spec.version))
         self._series = _ModelSeries(metrics, self.labels)
+        self._prefix = metrics.prefix_cache.series(self.labels)
         self.where = f"model '{spec.name}'"
         self._engine: AsyncLLM | None = None
+        self.closed = False
+        """Set by close(): the instance never runs again."""
         self._vocab_size = 0
         self._active = 0  # requests admitted and not yet ended
         self._scheduler = (0, 0, 0.0)  # running, waiting, KV-cache usage at the last step
@@ -286,7 +292,7 @@ class VllmInstance:
     async def start(self) -> None:
         """Start the engine in a worker thread; the loop keeps serving meanwhile."""
         started = time.monotonic()
-        loggers = [_stats_logger_factory(self._record_scheduler)]
+        loggers = [_stats_logger_factory(self._record_scheduler, self._prefix.record)]
         # No local holds the engine: a frame kept alive by someone's stored
         # traceback would keep it past close() (see close()).
         self._engine = await _build_engine(
@@ -312,6 +318,7 @@ class VllmInstance:
     async def close(self) -> None:
         """Shut the engine (and its processes) down."""
         engine, self._engine = self._engine, None
+        self.closed = True
         for gauge in self.metrics.gauges:
             with contextlib.suppress(KeyError):
                 gauge.remove(*self.labels)
@@ -324,8 +331,19 @@ class VllmInstance:
         await asyncio.sleep(0)  # the cancelled output handler lets go of it
         gc.collect()
 
-    async def stream(self, request: InferRequest) -> AsyncGenerator[InferResponse, None]:
-        """Generate for one request; each engine output becomes one response."""
+    @property
+    def engine(self) -> AsyncLLM:
+        """The running engine (Unavailable when it is not running)."""
+        engine = self._engine
+        if engine is None or engine.errored:
+            raise Unavailable(f"{self.where}: the vLLM engine is not running")
+        return engine
+
+    async def stream(
+        self, request: InferRequest, lora: Any = None
+    ) -> AsyncGenerator[InferResponse, None]:
+        """Generate for one request (with the LoRA adapter ``lora``, a LoRARequest,
+        when given: vllm_lora.py); each engine output becomes one response."""
         engine = self._engine
         if engine is None or engine.errored:
             raise Unavailable(f"{self.where}: the vLLM engine is not running")
@@ -341,7 +359,9 @@ class VllmInstance:
         finish = "abort"
         last: Any = None
         try:
-            outputs = engine.generate({"prompt_token_ids": prompt}, params, request_id)
+            outputs = engine.generate(
+                {"prompt_token_ids": prompt}, params, request_id, lora_request=lora
+            )
             steps = _until(outputs, self._generation_deadline())
             async with contextlib.aclosing(outputs), contextlib.aclosing(steps):
                 async for output in steps:
@@ -349,7 +369,7 @@ class VllmInstance:
                         await engine.abort(request_id)
                         finish = "length"
                         log.info("%s: %s ran past max_generation_s", self.where, request_id)
-                        yield _response(generated, 0, finish, len(prompt))
+                        yield _response(generated, 0, finish, len(prompt), _NO_LOGPROBS)
                         return
                     last = output
                     completion = output.outputs[0]
@@ -360,7 +380,8 @@ class VllmInstance:
                     if new:
                         timer.tokens(len(new), len(prompt))
                     finish = str(completion.finish_reason or "stop") if output.finished else ""
-                    yield _response(generated, len(new), finish, len(prompt))
+                    logprobs = logprob_arrays(completion.logprobs, new, sampling.logprobs)
+                    yield _response(generated, len(new), finish, len(prompt), logprobs)
         except (asyncio.CancelledError, GeneratorExit):
             finish = "abort"
             await engine.abort(request_id)
@@ -468,9 +489,20 @@ async def _until(
         yield output
 
 
-def _response(generated: list[int], new: int, finish: str, prompt_tokens: int) -> InferResponse:
+_NO_LOGPROBS = logprob_arrays(None, [], None)
+
+
+def _response(
+    generated: list[int],
+    new: int,
+    finish: str,
+    prompt_tokens: int,
+    logprobs: tuple[np.ndarray, np.ndarray],
+) -> InferResponse:
     return InferResponse(
         outputs={
+            "LOGPROB_IDS": logprobs[0],
+            "LOGPROBS": logprobs[1],
             "OUTPUT_IDS": np.array(generated, dtype=np.int64),
             "NEW_TOKENS": np.array([new], dtype=np.int32),
             "ENGINE_FINISH": np.array([finish.encode()], dtype=object),
@@ -509,8 +541,11 @@ def _shut_down_when_built(building: asyncio.Future[Any]) -> None:
         building.result().shutdown()
 
 
-def _stats_logger_factory(record: Callable[[int, int, float], None]) -> Any:
-    """A vLLM stat logger (per engine) that hands the scheduler's stats to ``record``."""
+def _stats_logger_factory(
+    record: Callable[[int, int, float], None], prefix: Callable[[Any], None]
+) -> Any:
+    """A vLLM stat logger (per engine) that hands the scheduler's stats to ``record``
+    and its prefix-cache statistics to ``prefix``."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class SchedulerStatsLogger(StatLoggerBase):  # type: ignore[misc]
@@ -530,6 +565,7 @@ def _stats_logger_factory(record: Callable[[int, int, float], None]) -> Any:
                     scheduler_stats.num_waiting_reqs,
                     scheduler_stats.kv_cache_usage,
                 )
+                prefix(scheduler_stats.prefix_cache_stats)
 
         def log_engine_initialized(self) -> None:
             """Nothing to log: the service logs the engine start."""
@@ -548,6 +584,13 @@ class VllmBackend:
         """The cores every engine it builds may take (shared/engine_cores.py)."""
         self._metrics: LlmMetrics | None = None
         self._lock = threading.Lock()
+        self._instances: dict[str, list[VllmInstance]] = {}
+
+    def running(self, model: str) -> VllmInstance | None:
+        """The newest instance of ``model`` whose engine runs (for its LoRA adapters)."""
+        instances = self._instances.get(model, [])
+        instances[:] = [i for i in instances if not i.closed]
+        return next((i for i in reversed(instances) if i.ready), None)
 
     def metrics(self) -> LlmMetrics:
         """The backend's metrics, registered once (instances are built in threads)."""
@@ -565,4 +608,7 @@ class VllmBackend:
 
     def create_streaming_instance(self, model: ModelSpec, instance: InstanceSpec) -> VllmInstance:
         """Check the settings and import vLLM (in a worker thread); ``start`` loads it."""
-        return VllmInstance(model, instance, self.metrics(), self.cores)
+        built = VllmInstance(model, instance, self.metrics(), self.cores)
+        with self._lock:
+            self._instances.setdefault(model.name, []).append(built)
+        return built

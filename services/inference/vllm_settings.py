@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from services.inference.vllm_sampling import extra_params, extra_rules, other_field
 from shared.backend import ModelSpec, json_object, parameter_settings
 from shared.errors import ConfigError, InvalidArgument
 
@@ -22,6 +23,8 @@ log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 DType = Literal["auto", "bfloat16", "float16", "float32"]
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The adapter ranks vLLM's max_lora_rank takes."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,16 @@ class EngineSettings:
     """Devices one engine shards the model over; 1..64."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes (system prompts, chat history)."""
+    enable_chunked_prefill: bool = True
+    """Split long prefills into chunks batched with running decodes (vLLM v1's default)."""
+    max_num_batched_tokens: int = 0
+    """Tokens one engine step may schedule (prefill chunks + decodes); 0: vLLM's; 0..1048576."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (vllm_lora models naming this one as base_model)."""
+    max_loras: int = 1
+    """LoRA adapters in one batch (and held in the engine at once); 1..64."""
+    max_lora_rank: int = 16
+    """Largest adapter rank the engine takes: 1, 8, 16, 32, 64, 128, 256, 320 or 512."""
     max_tokens_cap: int = 0
     """Most tokens one request may generate: a request without max_tokens gets it,
     one asking for more is refused naming max_tokens; 0: max_model_len; 0..1048576."""
@@ -70,11 +83,17 @@ class EngineSettings:
             "tensor_parallel_size": (1, 64),
             "max_tokens_cap": (0, 1 << 20),
             "max_generation_s": (0.0, 86400.0),
+            "max_num_batched_tokens": (0, 1 << 20),
+            "max_loras": (1, 64),
         }
         settings = parameter_settings(cls, spec, bounds)
         if settings.dtype not in get_args(DType):
             raise ConfigError(
                 f"model '{spec.name}': parameter 'dtype' must be auto, bfloat16, float16 or float32"
+            )
+        if settings.max_lora_rank not in LORA_RANKS:
+            raise ConfigError(
+                f"model '{spec.name}': parameter 'max_lora_rank' must be one of {LORA_RANKS}"
             )
         return settings
 
@@ -108,6 +127,11 @@ class EngineSettings:
             kv_cache_memory_bytes=int(self.kv_cache_space_gib * GIB) or None,
             tensor_parallel_size=self.tensor_parallel_size,
             enable_prefix_caching=self.enable_prefix_caching,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_num_batched_tokens=self.max_num_batched_tokens or None,
+            enable_lora=self.enable_lora,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank if self.enable_lora else 16,
             # The stats go to our metrics (a custom stat logger), not to vLLM's log lines.
             disable_log_stats=True,
         )
@@ -141,8 +165,16 @@ def log_dtype(where: str, requested: DType, resolved: str, on_cpu: bool) -> str:
     return why
 
 
-_FLOAT_FIELDS = ("temperature", "top_p", "repetition_penalty")
-_INT_FIELDS = ("top_k", "max_tokens", "seed")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_p",
+)
+_INT_FIELDS = ("top_k", "max_tokens", "seed", "min_tokens", "logprobs")
+_OTHER_FIELDS = ("ignore_eos", "logit_bias", "structured")  # checked by vllm_sampling
 _DETOKENIZER_FIELDS = ("stop",)  # stop strings: the detokenizer applies them
 
 
@@ -164,6 +196,22 @@ class Sampling:
     """Per-request random seed, for reproducible sampling."""
     repetition_penalty: float = 1.0
     """> 1 discourages repeating tokens; > 0."""
+    presence_penalty: float = 0.0
+    """Penalises tokens already generated at all; -2..2."""
+    frequency_penalty: float = 0.0
+    """Penalises tokens by how often they were generated; -2..2."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the likeliest; 0..1."""
+    min_tokens: int = 0
+    """Tokens generated before end-of-sequence or a stop id may end it; >= 0."""
+    ignore_eos: bool = False
+    """Keep generating past end-of-sequence (up to max_tokens)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias in -100..100) pairs added to the logits."""
+    logprobs: int | None = None
+    """Set: each token's logprob and this many top alternatives (0..20) in the output."""
+    structured: tuple[tuple[str, Any], ...] = ()
+    """The output's constraint (json, json_object, regex, choice, grammar): one pair."""
 
     @classmethod
     def from_json(cls, raw: Any, where: str) -> Sampling:
@@ -174,7 +222,7 @@ class Sampling:
         if unknown:
             raise InvalidArgument(f"{where}: unknown field(s) {unknown}; expected {sorted(known)}")
         typed = {
-            key: _typed(key, value, f"{where}.{key}")
+            key: (other_field if key in _OTHER_FIELDS else _typed)(key, value, f"{where}.{key}")
             for key, value in values.items()
             if value is not None and key not in _DETOKENIZER_FIELDS
         }
@@ -192,6 +240,7 @@ class Sampling:
             ("repetition_penalty", self.repetition_penalty > 0.0, "must be greater than 0"),
             ("stop_token_ids", all(i >= 0 for i in self.stop_token_ids), "must be token ids >= 0"),
             ("seed", self.seed is None or -(1 << 63) <= self.seed < 1 << 63, "must fit in int64"),
+            *extra_rules(self),
         ]
         for name, ok, rule in rules:
             if not ok:
@@ -212,6 +261,7 @@ class Sampling:
                 stop_token_ids=list(self.stop_token_ids),
                 seed=self.seed,
                 repetition_penalty=self.repetition_penalty,
+                **extra_params(self),
                 detokenize=False,
                 output_kind=RequestOutputKind.DELTA,
             )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections import defaultdict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -22,6 +22,14 @@ from inference import grpc_service_pb2 as pb
 from meshserve.v1 import meshserve_pb2 as api
 from meshserve.v1 import meshserve_pb2_grpc as api_grpc
 from services.orchestrator.core import Orchestrator
+from services.orchestrator.generation import (
+    chat_tensor,
+    choice_count,
+    choice_sampling,
+    merged,
+    sampling_settings,
+    token_logprobs,
+)
 from services.orchestrator.route_headers import Invocation, announce_target, take_route_headers
 from services.orchestrator.servicer import Context, timeout_of
 from services.orchestrator.tokenization import (
@@ -38,7 +46,6 @@ from shared.tensors import DATATYPES, decode_outputs, element_count, encode_inpu
 DEFAULT_CLASSIFIER = "image_classifier"
 DEFAULT_EMBEDDER = "text_embedding"
 DEFAULT_LLM = "llm"
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "repetition_penalty")
 _STATES = {
     "READY": api.MODEL_STATE_READY,
     "LOADING": api.MODEL_STATE_LOADING,
@@ -273,7 +280,8 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):
     async def Chat(
         self, request: api.ChatRequest, context: Context[api.ChatRequest, api.ChatResponse]
     ) -> AsyncIterator[api.ChatResponse]:
-        inputs = {MESSAGES: _chat(request.messages)}
+        _chat(request.messages)  # checks the roles
+        inputs = {MESSAGES: chat_tensor(request.messages, request.tools)}
         async for delta in self._generate(
             request.model, inputs, request.sampling, timeout_of(context), context
         ):
@@ -338,22 +346,43 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):
         timeout_s: float | None,
         caller: Invocation,
     ) -> AsyncIterator[api.TextDelta]:
-        inputs["SAMPLING"] = np.array([sampling_json(sampling).encode()], dtype=object)
+        """The deltas of ``sampling.n`` choices (generation.py), merged."""
+        settings = sampling_settings(sampling)
+        announced: list[bool] = []
+
+        def choice(index: int) -> Callable[[], AsyncGenerator[api.TextDelta, None]]:
+            sampling_input = np.array([choice_sampling(settings, index)], dtype=object)
+            choice_inputs = {**inputs, "SAMPLING": sampling_input}
+            return lambda: self._choice(model, choice_inputs, timeout_s, caller, announced)
+
+        streams = [choice(index) for index in range(choice_count(sampling))]
+        async with contextlib.aclosing(merged(streams)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    async def _choice(
+        self,
+        model: str,
+        inputs: dict[str, np.ndarray],
+        timeout_s: float | None,
+        caller: Invocation,
+        announced: list[bool],
+    ) -> AsyncGenerator[api.TextDelta, None]:
         request = pb.ModelInferRequest(model_name=model or DEFAULT_LLM)
         encode_inputs(request, inputs)
         take_route_headers(caller, request)
-        first = True
         async with contextlib.aclosing(self.core.stream(request, timeout_s)) as responses:
             async for response in responses:
-                if first:  # a route's target, in the response headers
+                if not announced:  # a route's target, in the response headers
+                    announced.append(True)
                     await announce_target(caller, response)
-                    first = False
                 outputs = decode_outputs(response)
                 yield api.TextDelta(
                     text=_text(outputs.get("TEXT_DELTA")),
                     finish_reason=_text(outputs.get("FINISH_REASON")),
                     prompt_tokens=_count(outputs.get("PROMPT_TOKENS")),
                     completion_tokens=_count(outputs.get("COMPLETION_TOKENS")),
+                    logprobs=token_logprobs(_text(outputs.get("TOKEN_LOGPROBS"))),
                 )
 
     async def Health(
@@ -383,18 +412,6 @@ def _chat(messages: Sequence[api.ChatMessage]) -> np.ndarray:
             )
     chat = json.dumps([{"role": m.role, "content": m.content} for m in messages])
     return np.array([chat.encode()], dtype=object)
-
-
-def sampling_json(sampling: api.SamplingParams) -> str:
-    """The SamplingParams fields that are set, as the JSON the LLM steps read."""
-    values: dict[str, Any] = {
-        name: getattr(sampling, name) for name in _SAMPLING_FIELDS if sampling.HasField(name)
-    }
-    if sampling.stop_token_ids:
-        values["stop_token_ids"] = list(sampling.stop_token_ids)
-    if sampling.stop:
-        values["stop"] = list(sampling.stop)
-    return json.dumps(values)
 
 
 def _text(array: np.ndarray | None) -> str:

@@ -29,6 +29,7 @@ may say otherwise).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,17 +45,27 @@ OUTPUT_IDS = "OUTPUT_IDS"
 NEW_TOKENS = "NEW_TOKENS"
 ENGINE_FINISH = "ENGINE_FINISH"
 SAMPLING = "SAMPLING"
+LOGPROB_IDS = "LOGPROB_IDS"
+LOGPROBS = "LOGPROBS"
 TEXT_DELTA = "TEXT_DELTA"
 FINISH_REASON = "FINISH_REASON"
+TOKEN_LOGPROBS = "TOKEN_LOGPROBS"
 STOPPED = "stop"
+OPTIONAL = {SAMPLING, LOGPROB_IDS, LOGPROBS, TOKEN_LOGPROBS}
 
 _INPUTS = {
     OUTPUT_IDS: (mc.TYPE_INT64, [-1]),
     NEW_TOKENS: (mc.TYPE_INT32, [1]),
     ENGINE_FINISH: (mc.TYPE_STRING, [1]),
     SAMPLING: (mc.TYPE_STRING, [1]),
+    LOGPROB_IDS: (mc.TYPE_INT64, [-1, -1]),
+    LOGPROBS: (mc.TYPE_FP32, [-1, -1]),
 }
-_OUTPUTS = {TEXT_DELTA: (mc.TYPE_STRING, [1]), FINISH_REASON: (mc.TYPE_STRING, [1])}
+_OUTPUTS = {
+    TEXT_DELTA: (mc.TYPE_STRING, [1]),
+    FINISH_REASON: (mc.TYPE_STRING, [1]),
+    TOKEN_LOGPROBS: (mc.TYPE_STRING, [1]),
+}
 _INCOMPLETE = "\ufffd"  # what decoding makes of a UTF-8 sequence cut short
 INLINE_IDS = 512
 """Requests with at most this many ids in all run on the event loop: decoding them
@@ -122,6 +133,22 @@ def _common_prefix(a: str, b: str) -> int:
         if x != y:
             return index
     return min(len(a), len(b))
+
+
+def token_logprobs(tokenizer: Tokenizer, ids: np.ndarray, values: np.ndarray) -> str:
+    """``[[[id, logprob, token], ...], ...]`` as JSON: a row per token, the sampled one
+    first, then its top alternatives; each token string as vLLM's server writes it
+    (the token decoded alone, special tokens kept)."""
+    strings: dict[int, str] = {}
+    rows = []
+    for id_row, value_row in zip(ids.tolist(), values.reshape(ids.shape).tolist(), strict=True):
+        row = []
+        for token, value in zip(id_row, value_row, strict=True):
+            if token not in strings:
+                strings[token] = tokenizer.decode([token], skip_special_tokens=False)
+            row.append([token, value, strings[token]])
+        rows.append(row)
+    return json.dumps(rows)
 
 
 def row_settings(raw: Any, where: str, skip_special_tokens: bool) -> tuple[list[str], bool]:
@@ -192,17 +219,30 @@ class DetokenizeInstance:
                 "must have the same number of rows"
             )
         texts, reasons = [], []
+        outputs = {}
+        if TOKEN_LOGPROBS in (request.requested_outputs or _OUTPUTS):
+            table = self._logprobs(request) if len(new) == 1 else ""
+            outputs[TOKEN_LOGPROBS] = np.array([table.encode()] * len(new), dtype=object)
         for row in range(len(new)):
             label = f"{where}: row {row}" if len(new) > 1 else where
             text, reason = self._row(rows[row], int(new[row]), finish[row], samplings[row], label)
             texts.append(text.encode())
             reasons.append(reason.encode())
-        return InferResponse(
-            outputs={
-                TEXT_DELTA: np.array(texts, dtype=object).reshape(shape),
-                FINISH_REASON: np.array(reasons, dtype=object).reshape(shape),
-            }
-        )
+        outputs[TEXT_DELTA] = np.array(texts, dtype=object)
+        outputs[FINISH_REASON] = np.array(reasons, dtype=object)
+        return InferResponse(outputs={k: v.reshape(shape) for k, v in outputs.items()})
+
+    def _logprobs(self, request: InferRequest) -> str:
+        """The new tokens' logprobs as JSON, with the token strings; "" if none came."""
+        ids, values = request.inputs.get(LOGPROB_IDS), request.inputs.get(LOGPROBS)
+        if ids is None or values is None or ids.size == 0:
+            return ""
+        if ids.shape != values.shape or ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise InvalidArgument(
+                f"model '{self.spec.name}': {LOGPROB_IDS} must match {LOGPROBS} in shape "
+                f"and hold ids in 0..{self.vocab_size - 1}"
+            )
+        return token_logprobs(self.decoder.tokenizer, ids.reshape(-1, ids.shape[-1]), values)
 
     def _row(
         self, ids: np.ndarray, new: int, finish: Any, sampling: Any, where: str
@@ -231,11 +271,12 @@ def _check_tensors(spec: ModelSpec) -> None:
         ("output", spec.config.output, _OUTPUTS),
     ):
         declared = {tensor.name: tensor for tensor in tensors}
-        required = set(expected) - {SAMPLING}
+        required = set(expected) - OPTIONAL
         if not required <= set(declared) <= set(expected):
+            optional = sorted(set(expected) & OPTIONAL)
             raise ConfigError(
                 f"{where}: {kind}s must be {sorted(required)}"
-                + (f" and optionally {SAMPLING}" if kind == "input" else "")
+                + f" and optionally {optional}"
                 + f", got {sorted(declared)}"
             )
         for name, tensor in declared.items():

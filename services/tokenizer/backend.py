@@ -265,23 +265,50 @@ class ChatTemplate:
                 f"model '{spec.name}' declares MESSAGES; {spec.path} has no chat template"
             )
 
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the template renders tool definitions (it reads ``tools``)."""
+        return "tools" in str(self._hf.chat_template)
+
     def render(self, item: Any, where: str) -> str:
-        """One MESSAGES element (a JSON list of {role, content}) -> prompt text."""
+        """One MESSAGES element (a JSON list of {role, content}, or an object with
+        ``messages`` and ``tools``) -> prompt text."""
         label = f"model '{self.model}': {where}"
-        messages = parse_messages(item, label)
+        messages, tools = parse_chat(item, label)
+        if tools and not self.takes_tools:
+            raise InvalidArgument(
+                f"tools: model '{self.model}' has no tool format (its chat template "
+                "renders no tools); send the request without tools"
+            )
         try:
             text = self._hf.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=False
             )
         except Exception as exc:  # jinja errors, raise_exception() in the template
             raise InvalidArgument(f"{label}: the chat template failed: {exc}") from exc
         return str(text)
 
 
-def parse_messages(item: Any, label: str) -> list[dict[str, Any]]:
-    """Parse and check one chat: a non-empty JSON list of objects with role and content."""
+def parse_chat(item: Any, label: str) -> tuple[list[dict[str, Any]], list[Any]]:
+    """One MESSAGES element: a JSON list of messages, or ``{"messages": [...],
+    "tools": [...]}``; the checked messages and the tools ([] when none)."""
     try:
-        messages = jsontext.parse(item)
+        chat = jsontext.parse(item)
+    except (ValueError, TypeError) as exc:  # TypeError: not bytes or str
+        raise InvalidArgument(f"{label}: not valid JSON: {exc}") from exc
+    if not isinstance(chat, dict):
+        return parse_messages(chat, label), []
+    tools = chat.get("tools") or []
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise InvalidArgument(f"{label}: tools must be a list of objects")
+    return parse_messages(chat.get("messages"), label), tools
+
+
+def parse_messages(item: Any, label: str) -> list[dict[str, Any]]:
+    """Parse and check one chat: a non-empty JSON list of objects with role and content
+    (a list as it is, or its JSON text)."""
+    try:
+        messages = item if isinstance(item, list) else jsontext.parse(item)
     except (ValueError, TypeError) as exc:  # TypeError: not bytes or str
         raise InvalidArgument(f"{label}: not valid JSON: {exc}") from exc
     if not isinstance(messages, list) or not messages:

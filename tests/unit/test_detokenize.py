@@ -203,3 +203,24 @@ def test_short_sequences_run_inline_long_ones_in_the_instance_thread(
 ) -> None:
     assert instance.runs_inline([request(list(range(100, 600)), 1)])
     assert not instance.runs_inline([request(list(range(100, 400)), 1)] * 2)
+
+
+def test_logprobs_come_back_with_each_token_decoded_alone(
+    instance: DetokenizeInstance, tokenizer: Tokenizer
+) -> None:
+    ids = tokenizer.encode(" Paris é").ids  # "é" is two byte-level tokens' worth
+    message = request(ids, len(ids))
+    columns = np.array([[i, 504] for i in ids], dtype=np.int64)  # sampled, then an alternative
+    message.inputs["LOGPROB_IDS"] = columns
+    message.inputs["LOGPROBS"] = np.full(columns.shape, -0.25, dtype=np.float32)
+    (answer,) = instance.execute([message])
+    assert not isinstance(answer, Exception)
+    rows = json.loads(answer.outputs["TOKEN_LOGPROBS"][0])
+    assert [row[0][0] for row in rows] == ids
+    assert [row[0][2] for row in rows] == [tokenizer.decode([i]) for i in ids]
+    assert {row[1][2] for row in rows} == {tokenizer.decode([504])}
+    assert {value for row in rows for _, value, _ in row} == {-0.25}
+    # Without logprobs the output is there, and empty.
+    (plain,) = instance.execute([request(ids, len(ids))])
+    assert not isinstance(plain, Exception)
+    assert plain.outputs["TOKEN_LOGPROBS"].tolist() == [b""]

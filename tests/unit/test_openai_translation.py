@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from gateway.http.generate import DEFAULT_MAX_TOKENS, GenerateCall, generate_request
+from gateway.http.openai_answer import Choices, Generation
 from gateway.http.openai_documents import (
-    Generation,
     InvalidParam,
     chat_request,
     completion_request,
@@ -24,6 +24,7 @@ from gateway.http.openai_documents import (
     tokenize_document,
     tokenize_request,
 )
+from gateway.http.openai_fields import StreamOptions
 from meshserve.v1 import meshserve_pb2 as api
 from shared.errors import InvalidArgument, Unavailable
 from shared.tensors import decode_inputs
@@ -91,13 +92,24 @@ def test_unset_sampling_fields_stay_unset() -> None:
         ({"stop": ["ok", 3]}, "stop"),
         ({"stop": ""}, "stop"),
         ({"seed": 1.5}, "seed"),
-        ({"n": 2}, "n"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"logprobs": True}, "logprobs"),
-        ({"tools": [{"type": "function"}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"n": 0}, "n"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": "x"}, "presence_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"logprobs": 3}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias.abc"),
+        ({"logit_bias": {"12": 101}}, "logit_bias.12"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function.name"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"guided_choice": "yes"}, "guided_choice"),
         ({"stream": "yes"}, "stream"),
-        ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
+        ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
         ({"model": 7}, "model"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ],
@@ -112,9 +124,81 @@ def test_bad_sampling_fields_name_the_param(extra: dict[str, Any], param: str) -
 
 def test_unsupported_fields_say_so() -> None:
     with pytest.raises(InvalidParam) as caught:
-        chat_request({"messages": QUESTION, "n": 3})
+        chat_request({"messages": QUESTION, "functions": [{"name": "f"}]})
     assert caught.value.error_code == "unsupported_parameter"
     assert "not supported" in caught.value.message
+    for body, param in (
+        ({"best_of": 3, "n": 2}, "best_of"),
+        ({"echo": True, "logprobs": 2}, "echo"),
+    ):
+        with pytest.raises(InvalidParam) as caught:
+            completion_request({"prompt": "Hi", **body})
+        assert (caught.value.param, caught.value.error_code) == (param, "unsupported_parameter")
+
+
+def test_vllm_sampling_fields_reach_sampling_params() -> None:
+    body = {
+        "messages": QUESTION,
+        "n": 3,
+        "seed": 7,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.1,
+        "min_p": 0.05,
+        "min_tokens": 2,
+        "ignore_eos": True,
+        "logit_bias": {"504": -100, "12": 2.5},
+        "stop_token_ids": [2],
+        "logprobs": True,
+        "top_logprobs": 5,
+        "user": "u-1",
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    message, generation = chat_request(body)
+    sampling = message.sampling
+    assert (sampling.n, sampling.seed, sampling.min_tokens, sampling.logprobs) == (3, 7, 2, 5)
+    assert sampling.presence_penalty == 0.5 and sampling.frequency_penalty == -0.5
+    assert sampling.ignore_eos and sampling.min_p == pytest.approx(0.05)
+    assert dict(sampling.logit_bias) == {504: -100.0, 12: 2.5}
+    assert (generation.n, generation.logprobs) == (3, 5)
+    assert generation.options.include_usage and generation.options.continuous_usage_stats
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": {"type": "object"}},
+                }
+            },
+            {"json_schema": '{"type": "object"}'},
+        ),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, {"regex": "[0-9]+"}),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
+        ({"guided_grammar": "root ::= 'a'"}, {"grammar": "root ::= 'a'"}),
+        ({"guided_json": '{"type": "string"}'}, {"json_schema": '{"type": "string"}'}),
+        ({"response_format": {"type": "text"}}, None),
+    ],
+)
+def test_structured_output_fields_become_one_constraint(
+    extra: dict[str, Any], expected: dict[str, Any] | None
+) -> None:
+    message, _ = chat_request({"messages": QUESTION, **extra})
+    if expected is None:
+        assert not message.sampling.HasField("structured")
+    else:
+        assert message.sampling.structured == api.StructuredOutput(**expected)
+
+
+def test_tools_travel_with_the_chat() -> None:
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    message, _ = chat_request({"messages": QUESTION, "tools": [tool], "tool_choice": "auto"})
+    assert [dict(t)["function"]["name"] for t in message.tools] == ["weather"]
 
 
 @pytest.mark.parametrize(
@@ -218,8 +302,8 @@ def _deltas(*pieces: tuple[str, str, int, int]) -> list[api.TextDelta]:
 
 
 def test_chat_stream_chunks_follow_openai_order() -> None:
-    generation = Generation(True, "llm", stream=True, include_usage=True)
-    chunks = [generation.chunk(None)]
+    generation = Generation(True, "llm", stream=True, options=StreamOptions(include_usage=True))
+    chunks = []
     for delta in _deltas(("The", "", 9, 1), (" capital", "", 9, 2), (".", "stop", 9, 3)):
         chunks.extend(generation.chunks(delta))
     chunks.append(generation.usage_chunk())
@@ -246,15 +330,63 @@ def test_text_stream_chunks_without_usage() -> None:
 
 
 def test_whole_answers() -> None:
-    generation = Generation(True, "llm")
+    choices = Choices(Generation(True, "llm"))
     for delta in _deltas(("Paris", "stop", 5, 2)):
-        generation.absorb(delta)
-    document = generation.document("Paris", "stop")
+        choices.add(delta)
+    document = choices.document()
     assert document["object"] == "chat.completion"
-    assert document["choices"][0]["message"] == {"role": "assistant", "content": "Paris"}
+    message = {"role": "assistant", "content": "Paris", "tool_calls": []}
+    assert document["choices"][0]["message"] == message
     assert document["usage"]["total_tokens"] == 7
-    text = Generation(False, "llm").document("Paris", "length")
-    assert text["object"] == "text_completion" and text["choices"][0]["text"] == "Paris"
+    text = Choices(Generation(False, "llm", echo="The capital is "))
+    text.add(api.TextDelta(text="Paris", finish_reason="length"))
+    answer = text.document()
+    assert answer["object"] == "text_completion"
+    assert answer["choices"][0]["text"] == "The capital is Paris"
+    assert answer["choices"][0]["finish_reason"] == "length"
+
+
+def _token(token_id: int, logprob: float, text: str, *top: tuple[int, float, str]) -> Any:
+    def one(i: int, lp: float, t: str) -> api.TokenLogprob:
+        return api.TokenLogprob(token=t, token_id=i, logprob=lp, token_bytes=t.encode())
+
+    entry = one(token_id, logprob, text)
+    entry.top_logprobs.extend(one(*t) for t in top)
+    return entry
+
+
+def test_choices_keep_their_own_text_logprobs_and_counts() -> None:
+    generation = Generation(True, "llm", n=2, logprobs=2)
+    choices = Choices(generation)
+    paris = _token(7, -0.1, " Paris", (7, -0.1, " Paris"), (9, -2.5, " Lyon"))
+    lyon = _token(9, -2.5, " Lyon", (7, -0.1, " Paris"), (9, -2.5, " Lyon"))
+    choices.add(api.TextDelta(index=1, text=" Lyon", completion_tokens=1, logprobs=[lyon]))
+    choices.add(api.TextDelta(index=0, text=" Paris", completion_tokens=1, logprobs=[paris]))
+    choices.add(api.TextDelta(index=0, finish_reason="stop", prompt_tokens=4, completion_tokens=2))
+    choices.add(
+        api.TextDelta(index=1, finish_reason="length", prompt_tokens=4, completion_tokens=1)
+    )
+    document = choices.document()
+    first, second = document["choices"]
+    assert (first["message"]["content"], second["message"]["content"]) == (" Paris", " Lyon")
+    assert (first["finish_reason"], second["finish_reason"]) == ("stop", "length")
+    assert document["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    # vLLM's order: the sampled token, then the likeliest others, each once.
+    tops = [t["token"] for t in second["logprobs"]["content"][0]["top_logprobs"]]
+    assert tops == [" Lyon", " Paris"]
+    entry = first["logprobs"]["content"][0]
+    assert entry["token"] == " Paris" and entry["bytes"] == list(b" Paris")
+    assert entry["logprob"] == pytest.approx(-0.1)
+
+
+def test_completion_logprobs_take_vllms_shape() -> None:
+    generation = Generation(False, "llm", stream=True, logprobs=1)
+    token = _token(7, -0.5, " Paris", (7, -0.5, " Paris"), (9, -1.5, " Lyon"), (3, -3.0, " Nice"))
+    chunks = generation.chunks(api.TextDelta(text=" Paris", logprobs=[token, token]))
+    logprobs = chunks[0]["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [" Paris", " Paris"]
+    assert logprobs["text_offset"] == [0, 6]
+    assert logprobs["top_logprobs"][0] == {" Paris": -0.5, " Lyon": -1.5}
 
 
 def test_an_aborted_generation_is_an_error() -> None:

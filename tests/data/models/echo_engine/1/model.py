@@ -25,6 +25,9 @@ class TritonPythonModel:
                             pb_utils.Tensor("ENGINE_FINISH", np.array([finish], dtype=object)),
                             pb_utils.Tensor("PROMPT_TOKENS", np.array([prompt.size], np.int32)),
                             pb_utils.Tensor("COMPLETION_TOKENS", np.array([count], np.int32)),
+                            # No logprobs asked for: none, as the vLLM backend sends then.
+                            pb_utils.Tensor("LOGPROB_IDS", np.zeros((0, 0), np.int64)),
+                            pb_utils.Tensor("LOGPROBS", np.zeros((0, 0), np.float32)),
                         ]
                     )
                 )
