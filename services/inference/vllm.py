@@ -7,7 +7,9 @@ own. One request, one line per step::
                SAMPLING (JSON) field by field, each error naming its field;
                max_tokens at most max_tokens_cap (the cap when the request has none)
     admit      at most max_num_seqs + max_waiting requests at once, else RESOURCE_EXHAUSTED
-    generate   AsyncLLM.generate, DELTA outputs, no detokenization in the engine;
+    generate   AsyncLLM.generate, DELTA outputs (FINAL_ONLY, one response, when the
+               request's ``final_only`` parameter is true), no detokenization in the
+               engine; by the request's ``priority`` under scheduling_policy priority;
                aborted at max_generation_s, the last response then says "length"
     respond    one response per engine output, the last one final
     abort      closing or cancelling the stream aborts the request inside the engine
@@ -360,7 +362,11 @@ class VllmInstance:
         last: Any = None
         try:
             outputs = engine.generate(
-                {"prompt_token_ids": prompt}, params, request_id, lora_request=lora
+                {"prompt_token_ids": prompt},
+                _final_only(params, request),
+                request_id,
+                lora_request=lora,
+                priority=request.priority if self.settings.scheduling_policy == "priority" else 0,
             )
             steps = _until(outputs, self._generation_deadline())
             async with contextlib.aclosing(outputs), contextlib.aclosing(steps):
@@ -466,6 +472,16 @@ class VllmInstance:
             return lambda: float(self._scheduler[index]) if unfinished() else 0.0
 
         return (scheduler(0), scheduler(1), unfinished, scheduler(2))
+
+
+def _final_only(params: Any, request: InferRequest) -> Any:
+    """``params`` answering once, with every token, when the request's ``final_only``
+    parameter is true (a caller that wants only the whole text: no token stream)."""
+    if request.parameters.get("final_only") is True:
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params
 
 
 async def _until(

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 DType = Literal["auto", "bfloat16", "float16", "float32"]
+SchedulingPolicy = Literal["fcfs", "priority"]
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The adapter ranks vLLM's max_lora_rank takes."""
 
@@ -64,6 +65,10 @@ class EngineSettings:
     """LoRA adapters in one batch (and held in the engine at once); 1..64."""
     max_lora_rank: int = 16
     """Largest adapter rank the engine takes: 1, 8, 16, 32, 64, 128, 256, 320 or 512."""
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    """fcfs (arrival order), or priority: waiting requests start by their v2
+    ``priority`` (lower first; 0, a request without one, before all), so batch
+    job lines (level 2) wait behind online requests for a free sequence."""
     max_tokens_cap: int = 0
     """Most tokens one request may generate: a request without max_tokens gets it,
     one asking for more is refused naming max_tokens; 0: max_model_len; 0..1048576."""
@@ -90,6 +95,10 @@ class EngineSettings:
         if settings.dtype not in get_args(DType):
             raise ConfigError(
                 f"model '{spec.name}': parameter 'dtype' must be auto, bfloat16, float16 or float32"
+            )
+        if settings.scheduling_policy not in get_args(SchedulingPolicy):
+            raise ConfigError(
+                f"model '{spec.name}': parameter 'scheduling_policy' must be fcfs or priority"
             )
         if settings.max_lora_rank not in LORA_RANKS:
             raise ConfigError(
@@ -127,6 +136,7 @@ class EngineSettings:
             kv_cache_memory_bytes=int(self.kv_cache_space_gib * GIB) or None,
             tensor_parallel_size=self.tensor_parallel_size,
             enable_prefix_caching=self.enable_prefix_caching,
+            scheduling_policy=self.scheduling_policy,
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_num_batched_tokens=self.max_num_batched_tokens or None,
             enable_lora=self.enable_lora,
