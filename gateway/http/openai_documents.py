@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from gateway.http import openai_fields as fields
-from gateway.http.openai_answer import Generation
+from gateway.http.openai_answer import Choices, Generation
 from gateway.http.openai_protocol import (
     DEFAULT_EMBEDDER,
     DEFAULT_LLM,
@@ -33,7 +33,7 @@ from gateway.http.openai_protocol import (
 )
 from meshserve.v1 import meshserve_pb2 as api
 
-__all__ = ["DEFAULT_EMBEDDER", "DEFAULT_LLM", "InvalidParam", "kind"]
+__all__ = ["DEFAULT_EMBEDDER", "DEFAULT_LLM", "Choices", "Generation", "InvalidParam", "kind"]
 
 # The OpenAI error "type" for an HTTP status (the status itself comes from shared.errors).
 _ERROR_TYPES = {

@@ -25,8 +25,9 @@ from typing import Any
 import grpc
 import numpy as np
 
-from gateway.http.openai_answer import Choices, Generation
 from gateway.http.openai_documents import (
+    Choices,
+    Generation,
     chat_request,
     completion_request,
     embed_request,

@@ -13,14 +13,33 @@ No vLLM import at module level.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from shared.errors import InvalidArgument
 
-if TYPE_CHECKING:
-    from services.inference.vllm_settings import Sampling
+
+class Sampling(Protocol):
+    """The fields of vllm_settings.Sampling this module reads."""
+
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def min_p(self) -> float: ...
+    @property
+    def min_tokens(self) -> int: ...
+    @property
+    def ignore_eos(self) -> bool: ...
+    @property
+    def logit_bias(self) -> tuple[tuple[int, float], ...]: ...
+    @property
+    def logprobs(self) -> int | None: ...
+    @property
+    def structured(self) -> tuple[tuple[str, Any], ...]: ...
+
 
 MAX_LOGPROBS = 20
 """The most top alternatives per token (OpenAI's and vLLM's default limit)."""
