@@ -15,6 +15,9 @@ plus ``mlp`` and ``mobilenet_v2`` (TorchScript). Models computed from their
 config alone (pooling, preprocessing, top-k, ensembles) get a version folder
 holding only a README.txt.
 
+The steps of the first two declare two priority levels: online requests
+run at level 1 (the default), batch job lines at 2 (docs/batch-jobs.md).
+
 A model is rebuilt only when its folder is incomplete or its fingerprint
 changed: the fingerprint covers the source files (weights, tokenizer), labels,
 config text, model source code and exporter versions, so a warm run hashes a
@@ -108,6 +111,8 @@ output [
 dynamic_batching {{
   preferred_batch_size: [ 16, 32 ]
   max_queue_delay_microseconds: 5000
+  priority_levels: 2
+  default_priority_level: 1
 }}
 instance_group [
   {{
@@ -156,6 +161,8 @@ parameters {{
 }}
 dynamic_batching {{
   max_queue_delay_microseconds: 2000
+  priority_levels: 2
+  default_priority_level: 1
 }}
 """
 
@@ -189,6 +196,8 @@ output [
 ]
 dynamic_batching {{
   max_queue_delay_microseconds: 2000
+  priority_levels: 2
+  default_priority_level: 1
 }}
 """
 
@@ -215,6 +224,10 @@ output [
     dims: [ {minilm.HIDDEN_SIZE} ]
   }}
 ]
+dynamic_batching {{
+  priority_levels: 2
+  default_priority_level: 1
+}}
 """
 
 _TEXT_EMBEDDING_CONFIG = f"""\
@@ -300,6 +313,8 @@ parameters {
 }
 dynamic_batching {
   max_queue_delay_microseconds: 2000
+  priority_levels: 2
+  default_priority_level: 1
 }
 """
 
@@ -337,6 +352,10 @@ parameters {
 parameters {
   key: "label_filename"
   value: { string_value: "labels.txt" }
+}
+dynamic_batching {
+  priority_levels: 2
+  default_priority_level: 1
 }
 """
 

@@ -131,6 +131,10 @@ parameters {{
   key: "max_generation_s"
   value: {{ string_value: "120" }}
 }}
+parameters {{
+  key: "scheduling_policy"
+  value: {{ string_value: "priority" }}
+}}
 """
 
 TOKENIZER_CONFIG = f"""\
@@ -170,6 +174,10 @@ parameters {{
 parameters {{
   key: "pad_to_multiple_of"
   value: {{ string_value: "1" }}
+}}
+dynamic_batching {{
+  priority_levels: 2
+  default_priority_level: 1
 }}
 """
 
@@ -229,6 +237,10 @@ output [
     dims: [ 1 ]
   }
 ]
+dynamic_batching {
+  priority_levels: 2
+  default_priority_level: 1
+}
 """
 
 # PROMPT (plain text) or MESSAGES (a JSON chat) in, text deltas out; SAMPLING
