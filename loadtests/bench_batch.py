@@ -34,10 +34,12 @@ import asyncio
 import contextlib
 import json
 import re
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -52,8 +54,11 @@ from common import (
     _stop_mesh,
     _wait_ready,
     install_sigterm_exit,
+    machine_cpu_seconds,
     start_supervisor,
 )
+
+from deploy.local.procfs import descendants, process_cpu_seconds
 
 IMAGE_MODELS = ("image_classifier", "image_preprocess", "mobilenet_v2_onnx", "imagenet_top5")
 TEXT_MODELS = ("text_embedding", "minilm", "minilm_tokenizer", "mean_pool")
@@ -63,18 +68,19 @@ SKIMAGE = Path(np.__file__).resolve().parent.parent / "skimage" / "data"
 
 
 def repository(folder: Path, prepared: Path, names: Sequence[str], levels: bool) -> Path:
-    """Links to the prepared models; with ``levels``, configs with two priority levels."""
+    """Links to the prepared models; with ``levels``, configs with two priority levels
+    (for models prepared without them; the default pipelines declare them)."""
     folder.mkdir(parents=True)
     for name in names:
         source = (prepared / name).resolve()
-        if not levels or name == "image_classifier":
+        config = (source / "config.pbtxt").read_text()
+        if not levels or name == "image_classifier" or "priority_levels" in config:
             (folder / name).symlink_to(source, target_is_directory=True)
             continue
         (folder / name).mkdir()
         for item in source.iterdir():
             if item.name != "config.pbtxt":
                 (folder / name / item.name).symlink_to(item)
-        config = (source / "config.pbtxt").read_text()
         if "dynamic_batching {" in config:
             config = config.replace(
                 "dynamic_batching {\n", "dynamic_batching {\n" + PRIORITY_LEVELS
@@ -96,9 +102,10 @@ def mesh_yaml(folder: Path, batch: dict[str, Any], workers: int = 2) -> Path:
 
 @contextlib.contextmanager
 def mesh(repo: Path, config: Path, log: Path) -> Iterator[MeshInfo]:
-    proc = start_supervisor(repo, config, log, 300.0)
+    # A busy shared host may take minutes to start the LLM's engine.
+    proc = start_supervisor(repo, config, log, 900.0)
     try:
-        yield _wait_ready(proc, 300.0, log)
+        yield _wait_ready(proc, 900.0, log)
     finally:
         _stop_mesh(proc, {})
 
@@ -328,11 +335,14 @@ def run_batch_seconds(
     command = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch"]
     command += ["-i", str(source), "-o", str(target), *flags]
     env = {**__import__("os").environ, "VLLM_RPC_BASE_PATH": str(work), "TMPDIR": str(work)}
-    began = time.monotonic()
+    began, cpu = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
     with (work / "run_batch.log").open("w") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=env,
                        timeout=3600)  # fmt: skip
     seconds = time.monotonic() - began
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime
+    print(f"vLLM run_batch: {cpu_s:.1f} CPU seconds in all (its engine's start included)")
     # Its progress bar's elapsed time: the batch alone, without the engine's start.
     log_text = (work / "run_batch.log").read_text()
     bars = re.findall(r"Running batch: 100%.*?\[(\d+):(\d+)", log_text)
@@ -346,13 +356,64 @@ def run_batch_seconds(
     return seconds, tokens
 
 
+class Occupancy:
+    """The engine's running and waiting requests, read from the inference service's
+    /metrics every half second in a thread while a job runs (their means)."""
+
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> Occupancy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _poll(self) -> None:
+        import urllib.request
+
+        while not self._stop.wait(0.5):
+            with contextlib.suppress(OSError):
+                text = urllib.request.urlopen(self.url, timeout=2).read().decode()
+                values = dict.fromkeys(("running", "waiting"), 0.0)
+                for name in values:
+                    found = re.search(rf"^meshserve_llm_requests_{name}\{{.*?}} (\S+)$", text, re.M)
+                    values[name] = float(found[1]) if found else 0.0
+                self.samples.append((values["running"], values["waiting"]))
+
+    def means(self) -> tuple[float, float]:
+        """Mean running and waiting requests over the samples taken while busy."""
+        busy = [s for s in self.samples if s[0] > 0] or [(0.0, 0.0)]
+        return float(np.mean([s[0] for s in busy])), float(np.mean([s[1] for s in busy]))
+
+
+def tree_cpu(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds by service, its descendants (an engine's processes) included."""
+    return {
+        name: sum(process_cpu_seconds(pid) for pid in descendants(root))
+        for name, root in pids.items()
+        if name != "envoy_wrapper"
+    }
+
+
 def run_batch(args: argparse.Namespace, work: Path) -> None:
     from bench_llm import ENGINE_MODEL, engine_flags
 
     repo = repository(work / "repo", args.repository, LLM_MODELS, False)
     lines = chat_lines(args.prompts, args.max_tokens, "llm")
-    with mesh(repo, mesh_yaml(work, {"concurrency": 32}, workers=1), work / "mesh.log") as info:
-        batch, mesh_s = run_job(info, lines, "/v1/chat/completions")
+    settings = {"concurrency": args.concurrency}
+    with mesh(repo, mesh_yaml(work, settings, workers=1), work / "mesh.log") as info:
+        before, machine = tree_cpu(info.pids), machine_cpu_seconds()
+        engine = next(port for name, port in info.metrics_ports.items() if "inference" in name)
+        with Occupancy(engine) as occupancy:
+            batch, mesh_s = run_job(info, lines, "/v1/chat/completions")
+        used = {k: v - before.get(k, 0.0) for k, v in tree_cpu(info.pids).items()}
+        machine = machine_cpu_seconds() - machine
         rows = outputs(info, batch)
     mesh_tokens = sum(r["response"]["body"]["usage"]["completion_tokens"] for r in rows.values())
     flags, _ = engine_flags(repo)
@@ -360,6 +421,12 @@ def run_batch(args: argparse.Namespace, work: Path) -> None:
     (work / "vllm").mkdir()
     vllm_s, vllm_tokens = run_batch_seconds(flags, theirs, work / "vllm")
     mesh_rate, vllm_rate = mesh_tokens / mesh_s, vllm_tokens / max(1.0, vllm_s)
+    running, waiting = occupancy.means()
+    print(f"job API: the engine ran {running:.1f} requests on average ({waiting:.1f} waiting);"
+          f" CPU seconds over the job ({machine:.0f} s on the whole machine):")  # fmt: skip
+    for name, seconds in sorted(used.items(), key=lambda item: -item[1]):
+        per_token = 1000 * seconds / max(1, mesh_tokens)
+        print(f"  {name:<22} {seconds:7.1f} s  {per_token:6.2f} ms/token")
     print(
         f"{args.prompts} prompts x {args.max_tokens} tokens at most, greedy, same engine settings"
     )
@@ -390,13 +457,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--no-priority", action="store_true")
     parser.add_argument("--workers", type=int, default=2, help="priority: batch workers")
-    parser.add_argument("--concurrency", type=int, default=4, help="priority: lines per worker")
+    parser.add_argument("--concurrency", type=int, default=None, help="lines per worker")
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--prompts", type=int, default=256)
     args = parser.parse_args(argv)
     args.repository = args.repository.expanduser()
     args.lines = args.lines or {"embeddings": 500, "restart": 200, "chat": 200}.get(args.mode, 0)
     args.max_tokens = args.max_tokens or (64 if args.mode == "run-batch" else 16)
+    args.concurrency = args.concurrency or (32 if args.mode == "run-batch" else 4)
     install_sigterm_exit()
     with tempfile.TemporaryDirectory(prefix="meshserve-bench-batch-") as tmp:
         MODES[args.mode](args, Path(tmp))
