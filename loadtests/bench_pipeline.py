@@ -1,22 +1,26 @@
-"""The image_classifier ensemble through the mesh vs the same three steps in one process.
+"""An ensemble through the mesh vs the same three steps in one process.
 
-    python loadtests/bench_pipeline.py [--seconds 5] [--rounds 2] [--in-flight 1,16,64] [--quick]
+    python loadtests/bench_pipeline.py [--pipeline image_classifier|text_embedding]
+        [--tracing on|off] [--seconds 5] [--rounds 2] [--in-flight 1,16,64] [--quick]
 
 In order:
 
-1. the floor, in this process: ``preprocess`` (services/preprocess/transform.py,
-   with image_preprocess's config), MobileNetV2 in ONNX Runtime (the server's own
-   ``OnnxInstance``: same intra-op threads, inter-op 1, spinning off) and top-5
-   (``softmax_top_k`` and imagenet_top5's labels):
-   - at 1 in flight: the three steps one after the other, one image at a time;
-   - at N in flight: batches of N images, preprocessed in a thread pool (one
-     thread per core), one ORT run per batch, one top-5 per batch; tried with the
-     next batch's preprocessing overlapping this batch's ORT run and without,
-     and the faster is the floor. Each image's latency is its batch's time from
-     the start of its preprocessing to the end of its top-5;
-2. the whole mesh (``deploy.local.supervisor --ports auto``);
-3. closed-loop grpc.aio load on the orchestrator (ModelInfer ``image_classifier``,
-   one image per request, several HTTP/2 connections) at each in-flight level,
+1. the floor, in this process (pipeline_floor.py), with the stages' own instance
+   classes: for ``image_classifier`` image preprocessing, MobileNetV2 in ONNX
+   Runtime (same intra-op threads, inter-op 1, spinning off) and top-5; for
+   ``text_embedding`` the MiniLM tokenizer, MiniLM in ONNX Runtime and mean pooling:
+   - at 1 in flight: the three steps one after the other, one input at a time;
+   - at N in flight: batches of N inputs, the first step per input in a thread
+     pool (one thread per core), one ORT run per batch, one last step per batch;
+     tried with the next batch's first step overlapping this batch's ORT run and
+     without, and the faster is the floor. Each input's latency is its batch's
+     time from the start of its first step to the end of its last;
+2. the whole mesh (``deploy.local.supervisor --ports auto``) on a repository of
+   the ensemble and its steps alone (links into the prepared one: no LLM starts);
+   Tracing is off unless ``--tracing on`` (the mesh YAML's default: every span
+   to the local trace store; bench_tracing.py measures what that costs);
+3. closed-loop grpc.aio load on the orchestrator (ModelInfer of the ensemble,
+   one input per request, several HTTP/2 connections) at each in-flight level,
    warmed up before a measured window; CPU of each mesh process from /proc;
    per-stage server-side time from ModelStatistics across the window;
 4. tables and ratios; the mesh is stopped by PID (also on error and Ctrl-C).
@@ -40,9 +44,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
+import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,9 +56,11 @@ from typing import Any
 
 import grpc
 import numpy as np
+import yaml
 from common import (
     DEFAULT_REPOSITORY,
     INFER_METHOD,
+    ROOT,
     CpuUsage,
     GrpcTarget,
     LoadResult,
@@ -66,30 +74,58 @@ from common import (
     load_average,
     load_from_flags,
     missing_models,
-    running_mesh,
     sample_cpu,
+    start_supervisor,
 )
+from common import _stop_mesh as stop_mesh
+from common import _wait_ready as wait_ready
+from pipeline_floor import FLOORS, StepFloor
 
+from deploy.local.procfs import start_ticks
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from models.sources import sample_image
-from services.inference.onnx import OnnxInstance
-from services.postprocess.classify import ClassifyInstance, softmax_top_k
-from services.preprocess.backend import transform_config
-from services.preprocess.transform import TransformConfig, preprocess
-from shared.backend import ModelSpec, config_parameters
-from shared.model import instance_specs
-from shared.repository import ModelRepository
 from shared.tensors import decode_outputs, encode_inputs
 
-ENSEMBLE = "image_classifier"
-PREPROCESS, MODEL, TOP5 = "image_preprocess", "mobilenet_v2_onnx", "imagenet_top5"
-STAGES = {PREPROCESS: "preprocess-0", MODEL: "inference-0", TOP5: "postprocess-0"}
-"""Each step's model -> the mesh process that hosts it."""
-SERVING = ("orchestrator", *STAGES.values())
-"""The processes a classify request runs in."""
+STAGE_PROCESSES = ("preprocess-0", "tokenizer-0", "inference-0", "postprocess-0")
+"""The stage processes of the local mesh; a pipeline's steps run in three of them."""
+PROCESS_OF = {
+    "image_preprocess": "preprocess-0",
+    "minilm_tokenizer": "tokenizer-0",
+    "mobilenet_v2_onnx": "inference-0",
+    "minilm": "inference-0",
+    "imagenet_top5": "postprocess-0",
+    "mean_pool": "postprocess-0",
+}
+"""Each step model -> the mesh process that hosts it."""
+INPUTS = {"image_classifier": "IMAGE", "text_embedding": "TEXT"}
+"""Each ensemble's one input (BYTES [1, 1])."""
+SENTENCE = b"The quick brown fox jumps over the lazy dog near the river bank."
 HOPS = 4
-"""client -> orchestrator, orchestrator -> preprocess, -> inference, -> postprocess."""
+"""client -> orchestrator, orchestrator -> each of the three steps' stages."""
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The ensemble under test and its steps."""
+
+    ensemble: str
+    steps: tuple[str, str, str]
+
+    @property
+    def stages(self) -> dict[str, str]:
+        """Step model -> the process that hosts it."""
+        return {step: PROCESS_OF[step] for step in self.steps}
+
+    @property
+    def serving(self) -> tuple[str, ...]:
+        """The processes a request runs in."""
+        return ("orchestrator", *self.stages.values())
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The ensemble and its steps."""
+        return (self.ensemble, *self.steps)
 
 
 @dataclass(frozen=True)
@@ -98,8 +134,12 @@ class Settings:
 
     repository: Path
     """The prepared model repository (python -m models.prepare)."""
+    pipeline: str
+    """The ensemble: image_classifier or text_embedding."""
     image: str
-    """A scikit-image sample photo, sent as encoded bytes."""
+    """A scikit-image sample photo, sent as encoded bytes (image_classifier)."""
+    tracing: bool
+    """Spans to the local trace store (the mesh YAML's default) or none."""
     load: LoadSettings
     """Warm-up, window and settle time of each measurement."""
     in_flight: tuple[int, ...]
@@ -107,61 +147,10 @@ class Settings:
     connections: int
     """gRPC connections the mesh load is spread over."""
     threads: int
-    """Preprocessing threads of the batched floor."""
+    """First-step threads of the batched floor."""
 
 
 # -- the floor: the three steps in one process ---------------------------------
-
-
-def model_spec(repository: ModelRepository, name: str) -> ModelSpec:
-    """The ModelSpec a stage service builds for the newest served version of ``name``."""
-    entry = repository.entry(name)
-    version = entry.selected_versions()[-1]
-    return ModelSpec(
-        entry.name,
-        version,
-        entry.version_path(version),
-        entry.config,
-        config_parameters(entry.config),
-    )
-
-
-class Floor:
-    """image_preprocess -> mobilenet_v2_onnx -> imagenet_top5 as plain calls."""
-
-    def __init__(self, root: Path) -> None:
-        repository = ModelRepository(root)
-        self.transform: TransformConfig = transform_config(model_spec(repository, PREPROCESS))
-        model = model_spec(repository, MODEL)
-        # The server's own session class and thread layout (instance_specs on a CPU host).
-        self.session = OnnxInstance(model, instance_specs(model.config, 0)[0])
-        top5 = model_spec(repository, TOP5)
-        classify = ClassifyInstance(top5, instance_specs(top5.config, 0)[0])
-        self.labels, self.top_k = classify.labels, classify.top_k
-
-    @property
-    def intra_op_threads(self) -> int:
-        """ORT intra-op threads of the session (what the inference service uses)."""
-        return int(self.session.session.get_session_options().intra_op_num_threads)
-
-    def preprocess(self, data: bytes) -> np.ndarray:
-        """Image bytes -> float32 [3, 224, 224]."""
-        pixels: np.ndarray = preprocess(data, self.transform)
-        return pixels
-
-    def infer(self, pixels: np.ndarray) -> np.ndarray:
-        """Pixels [B, 3, 224, 224] -> logits [B, 1000]."""
-        logits: np.ndarray = self.session.run({"input": pixels})["logits"]
-        return logits
-
-    def top5(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Logits -> (labels, probabilities), each [B, top_k], best first."""
-        indices, probabilities = softmax_top_k(logits, self.top_k)
-        return self.labels[indices], probabilities
-
-    def classify(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Pixels [B, 3, 224, 224] -> (labels, probabilities), each [B, top_k]."""
-        return self.top5(self.infer(pixels))
 
 
 @dataclass(frozen=True)
@@ -170,23 +159,30 @@ class FloorRuns:
 
     results: dict[int, LoadResult]
     steps_ms: dict[str, float]
-    """Model name of the step -> mean ms per image, one image at a time."""
+    """Model name of the step -> mean ms per input, one input at a time."""
 
 
-def floor_sequential(floor: Floor, data: bytes, seconds: float) -> tuple[LoadResult, np.ndarray]:
-    """One image at a time through the three steps; also each step's time [runs, 3] in ms."""
+def answer(floor: StepFloor, items: list[Any]) -> Any:
+    """The pipeline's answer for prepared items (the second and third steps)."""
+    return floor.third(floor.second(floor.stack(items)))
+
+
+def floor_sequential(
+    floor: StepFloor, data: bytes, seconds: float
+) -> tuple[LoadResult, np.ndarray]:
+    """One input at a time through the three steps; also each step's time [runs, 3] in ms."""
     for _ in range(3):  # ORT allocates its arenas on the first runs
-        floor.classify(floor.preprocess(data)[None])
+        answer(floor, [floor.first(data)])
     steps: list[tuple[float, float, float]] = []
     before = sample_cpu({})
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         t0 = time.perf_counter()
-        pixels = floor.preprocess(data)[None]
+        batch = floor.stack([floor.first(data)])
         t1 = time.perf_counter()
-        logits = floor.infer(pixels)
+        outputs = floor.second(batch)
         t2 = time.perf_counter()
-        floor.top5(logits)
+        floor.third(outputs)
         t3 = time.perf_counter()
         steps.append((t1 - t0, t2 - t1, t3 - t2))
     usage = CpuUsage.between(before, sample_cpu({}))
@@ -196,48 +192,51 @@ def floor_sequential(floor: Floor, data: bytes, seconds: float) -> tuple[LoadRes
 
 @dataclass(frozen=True)
 class _Batch:
-    """One batch of images being preprocessed in the pool."""
+    """One batch of inputs going through the first step in the pool."""
 
     started: float
-    pixels: list[Future[np.ndarray]]
+    items: list[Future[Any]]
 
 
 def floor_batched(
-    floor: Floor, data: bytes, batch: int, seconds: float, pool: ThreadPoolExecutor, overlap: bool
+    floor: StepFloor,
+    data: bytes,
+    batch: int,
+    seconds: float,
+    pool: ThreadPoolExecutor,
+    overlap: bool,
 ) -> LoadResult:
-    """Batches of ``batch`` images: pool preprocessing, one ORT run, one top-5."""
+    """Batches of ``batch`` inputs: the first step in the pool, one ORT run, one last step."""
 
     def submit() -> _Batch:
-        return _Batch(
-            time.perf_counter(), [pool.submit(floor.preprocess, data) for _ in range(batch)]
-        )
+        return _Batch(time.perf_counter(), [pool.submit(floor.first, data) for _ in range(batch)])
 
-    floor.classify(np.stack([f.result() for f in submit().pixels]))  # warm the batch shape
+    answer(floor, [f.result() for f in submit().items])  # warm the batch shape
     latencies: list[float] = []
     before = sample_cpu({})
     deadline = time.perf_counter() + seconds
     pending = submit()
     while time.perf_counter() < deadline or len(latencies) < 2 * batch:
         current = pending
-        pixels = np.stack([future.result() for future in current.pixels])
-        if overlap:  # the next batch decodes while this one runs in ORT
+        items = [future.result() for future in current.items]
+        if overlap:  # the next batch's first step runs while this one runs in ORT
             pending = submit()
-        floor.classify(pixels)
+        answer(floor, items)
         latencies += [(time.perf_counter() - current.started) * 1000] * batch
         if not overlap:
             pending = submit()
     usage = CpuUsage.between(before, sample_cpu({}))
-    for future in pending.pixels:
+    for future in pending.items:
         future.result()
     return LoadResult("floor", batch, np.asarray(latencies), 0, usage)
 
 
-def measure_floor(floor: Floor, data: bytes, settings: Settings) -> FloorRuns:
+def measure_floor(floor: StepFloor, data: bytes, settings: Settings) -> FloorRuns:
     """The floor at each level: the fastest of the rounds (and, batched, of both modes)."""
     seconds, rounds = settings.load.seconds, settings.load.rounds
     sequential = [floor_sequential(floor, data, seconds) for _ in range(rounds)]
     best, times = max(sequential, key=lambda pair: pair[0].rate)
-    print(f"  floor b1: {_rates(run for run, _ in sequential)} img/s", flush=True)
+    print(f"  floor b1: {_rates(run for run, _ in sequential)} req/s", flush=True)
     results = {1: best}
     with ThreadPoolExecutor(max_workers=settings.threads) as pool:
         for batch in (n for n in settings.in_flight if n > 1):
@@ -249,11 +248,11 @@ def measure_floor(floor: Floor, data: bytes, settings: Settings) -> FloorRuns:
             }
             print(
                 f"  floor b{batch}: overlapped {_rates(tries[True])}, "
-                f"serial {_rates(tries[False])} img/s",
+                f"serial {_rates(tries[False])} req/s",
                 flush=True,
             )
             results[batch] = max([*tries[True], *tries[False]], key=lambda run: run.rate)
-    return FloorRuns(results, dict(zip(STAGES, times.mean(axis=0).tolist(), strict=True)))
+    return FloorRuns(results, dict(zip(floor.steps, times.mean(axis=0).tolist(), strict=True)))
 
 
 def _rates(runs: Iterable[LoadResult]) -> str:
@@ -263,28 +262,35 @@ def _rates(runs: Iterable[LoadResult]) -> str:
 # -- the mesh ------------------------------------------------------------------
 
 
-def infer_payload(data: bytes) -> bytes:
-    """ModelInfer(image_classifier) with one image, IMAGE [1, 1] BYTES, serialised once."""
-    request = pb.ModelInferRequest(model_name=ENSEMBLE)
-    images = np.empty((1, 1), dtype=object)
-    images[0, 0] = data
-    encode_inputs(request, {"IMAGE": images})
+def infer_payload(pipe: Pipeline, data: bytes) -> bytes:
+    """ModelInfer of the ensemble with one input, [1, 1] BYTES, serialised once."""
+    request = pb.ModelInferRequest(model_name=pipe.ensemble)
+    element = np.empty((1, 1), dtype=object)
+    element[0, 0] = data
+    encode_inputs(request, {INPUTS[pipe.ensemble]: element})
     payload: bytes = request.SerializeToString()
     return payload
 
 
-async def mesh_answer(address: str, payload: bytes) -> tuple[str, float]:
-    """Top-1 (label, probability) of one request through the generated stub."""
+async def mesh_answer(address: str, payload: bytes) -> dict[str, np.ndarray]:
+    """The outputs of one request through the generated stub."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         reply = await stub.ModelInfer(pb.ModelInferRequest.FromString(payload))
-    outputs = decode_outputs(reply)
-    return bytes(outputs["LABELS"][0][0]).decode(), float(outputs["PROBABILITIES"][0][0])
+    return decode_outputs(reply)
 
 
-async def model_statistics(stub: Any) -> dict[str, Any]:
+def describe_answer(outputs: dict[str, np.ndarray]) -> str:
+    """The mesh's answer in the floor's words (StepFloor.describe)."""
+    if "LABELS" in outputs:
+        top = bytes(outputs["LABELS"][0][0]).decode()
+        return f"top-1 {top} {float(outputs['PROBABILITIES'][0][0]):.3f}"
+    embedding = outputs["EMBEDDING"]
+    return f"embedding [{embedding.shape[-1]}], norm {float(np.linalg.norm(embedding[0])):.3f}"
+
+
+async def model_statistics(stub: Any, names: Sequence[str]) -> dict[str, Any]:
     """ModelStatistics of the ensemble and its three steps, through the orchestrator."""
-    names = (ENSEMBLE, *STAGES)
     replies = await asyncio.gather(
         *(stub.ModelStatistics(pb.ModelStatisticsRequest(name=name)) for name in names)
     )
@@ -329,21 +335,23 @@ class StageTimes:
         )
 
 
-async def load_mesh(info: MeshInfo, payload: bytes, settings: Settings) -> list[LoadResult]:
+async def load_mesh(
+    info: MeshInfo, pipe: Pipeline, payload: bytes, settings: Settings
+) -> list[LoadResult]:
     """Closed-loop load at each level, in rounds; the fastest run of each level is kept."""
     runs = []
     async with grpc.aio.insecure_channel(info.orchestrator) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         for round_ in range(settings.load.rounds):
             for in_flight in settings.in_flight:
-                run = await load_once(info, payload, settings, in_flight, stub)
+                run = await load_once(info, pipe, payload, settings, in_flight, stub)
                 print(f"  mesh @{in_flight} (round {round_ + 1}): {run.rate:.1f} req/s", flush=True)
                 runs.append(run)
     return best_runs(runs)
 
 
 async def load_once(
-    info: MeshInfo, payload: bytes, settings: Settings, in_flight: int, stub: Any
+    info: MeshInfo, pipe: Pipeline, payload: bytes, settings: Settings, in_flight: int, stub: Any
 ) -> LoadResult:
     """One closed-loop run on the orchestrator; ModelStatistics at the window's edges."""
     # Every mesh process is counted, so "others" is only what lies outside the mesh.
@@ -352,30 +360,36 @@ async def load_once(
     target = GrpcTarget(info.orchestrator, INFER_METHOD, payload, connections)
     try:
         return await closed_loop(
-            "mesh", target.calls(), in_flight, pids, settings.load, lambda: model_statistics(stub)
+            "mesh",
+            target.calls(),
+            in_flight,
+            pids,
+            settings.load,
+            lambda: model_statistics(stub, pipe.models),
         )
     finally:
         await target.close()
 
 
-def stage_times(result: LoadResult) -> list[StageTimes]:
+def stage_times(pipe: Pipeline, result: LoadResult) -> list[StageTimes]:
     """Per-model server-side times of one mesh run."""
     first, last = result.probes
-    return [StageTimes.between(name, first[name], last[name]) for name in (ENSEMBLE, *STAGES)]
+    return [StageTimes.between(name, first[name], last[name]) for name in pipe.models]
 
 
 # -- report --------------------------------------------------------------------
 
 
-def throughput_table(floor: FloorRuns, mesh: Sequence[LoadResult]) -> str:
+def throughput_table(pipe: Pipeline, floor: FloorRuns, mesh: Sequence[LoadResult]) -> str:
     """Floor and mesh rows: rate, latency, CPU per request by process."""
-    headers = ["run", "in-flight", "req/s", "p50 ms", "p99 ms", "CPU ms/req", "orch", "pre"]
-    headers += ["inf", "post", "client", "others"]
+    headers = ["run", "in-flight", "req/s", "p50 ms", "p99 ms", "CPU ms/req", "orch"]
+    headers += [*(process.split("-")[0][:5] for process in pipe.stages.values())]
+    headers += ["client", "others"]
     rows: list[list[object]] = []
     for result in [*floor.results.values(), *mesh]:
-        per_stage = [result.cpu_ms(STAGES[model]) for model in STAGES]
+        per_stage = [result.cpu_ms(process) for process in pipe.stages.values()]
         mesh_run = result.label == "mesh"
-        total = result.cpu_ms(*SERVING) if mesh_run else result.client_cpu_ms()
+        total = result.cpu_ms(*pipe.serving) if mesh_run else result.client_cpu_ms()
         rows.append(
             [
                 result.label,
@@ -392,7 +406,7 @@ def throughput_table(floor: FloorRuns, mesh: Sequence[LoadResult]) -> str:
     return format_table(headers, rows)
 
 
-def stage_table(floor: FloorRuns, mesh: Sequence[LoadResult]) -> str:
+def stage_table(pipe: Pipeline, floor: FloorRuns, mesh: Sequence[LoadResult]) -> str:
     """Server-side time per request of the ensemble and each step (ModelStatistics).
 
     At 1 in flight, "floor ms" is the same step in this process (the ensemble
@@ -400,11 +414,13 @@ def stage_table(floor: FloorRuns, mesh: Sequence[LoadResult]) -> str:
     """
     headers = ["in-flight", "model", "requests", "rows/exec", "server ms", "queue ms"]
     headers += ["compute ms/row", "floor ms"]
-    in_process = {ENSEMBLE: floor.results[1].mean, **floor.steps_ms} if 1 in floor.results else {}
+    in_process = (
+        {pipe.ensemble: floor.results[1].mean, **floor.steps_ms} if 1 in floor.results else {}
+    )
     rows: list[list[object]] = []
     for result in mesh:
-        for times in stage_times(result):
-            step = times.model != ENSEMBLE
+        for times in stage_times(pipe, result):
+            step = times.model != pipe.ensemble
             rows.append(
                 [
                     result.in_flight,
@@ -420,13 +436,13 @@ def stage_table(floor: FloorRuns, mesh: Sequence[LoadResult]) -> str:
     return format_table(headers, rows)
 
 
-def hop_lines(floor: FloorRuns, mesh: Sequence[LoadResult]) -> list[str]:
+def hop_lines(pipe: Pipeline, floor: FloorRuns, mesh: Sequence[LoadResult]) -> list[str]:
     """Where the mesh's extra latency at 1 in flight goes, per hop."""
     by_level = {result.in_flight: result for result in mesh}
     if 1 not in by_level or 1 not in floor.results:
         return []
     one, base = by_level[1], floor.results[1]
-    ensemble, *steps = stage_times(one)
+    ensemble, *steps = stage_times(pipe, one)
     added = one.percentile(50) - base.percentile(50)
     between = ensemble.server_ms - sum(step.server_ms for step in steps)
     queued = ", ".join(f"{step.model} {step.queue_ms:.2f}" for step in steps)
@@ -456,16 +472,16 @@ def ratio_lines(floor: FloorRuns, mesh: Sequence[LoadResult]) -> list[str]:
     return lines
 
 
-def print_report(floor: FloorRuns, mesh: Sequence[LoadResult]) -> None:
+def print_report(pipe: Pipeline, floor: FloorRuns, mesh: Sequence[LoadResult]) -> None:
     """The two tables, the hop breakdown and the ratios."""
     print()
-    print(throughput_table(floor, mesh))
+    print(throughput_table(pipe, floor, mesh))
     print("(CPU ms/req: floor = this process; mesh = orchestrator + 3 stages; others = cores")
     print(" used meanwhile by processes outside the measurement)")
     print()
-    print(stage_table(floor, mesh))
+    print(stage_table(pipe, floor, mesh))
     print()
-    print("\n".join([*hop_lines(floor, mesh), *ratio_lines(floor, mesh)]))
+    print("\n".join([*hop_lines(pipe, floor, mesh), *ratio_lines(floor, mesh)]))
     print(f"load average at end {load_average()}")
 
 
@@ -476,42 +492,96 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     """Command-line flags -> Settings (``--quick``: short windows for a smoke run)."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    parser.add_argument("--pipeline", choices=sorted(FLOORS), default="image_classifier")
     parser.add_argument("--image", default="coffee.png", help="scikit-image sample photo")
+    parser.add_argument("--tracing", choices=("on", "off"), default="off")
     add_load_flags(parser, seconds=5.0, warmup_s=2.0, settle_s=3.0, in_flight="1,16,64")
     parser.add_argument("--connections", type=int, default=4, help="gRPC connections")
-    parser.add_argument("--threads", type=int, default=2, help="floor preprocessing threads")
+    parser.add_argument("--threads", type=int, default=2, help="floor first-step threads")
     args = parser.parse_args(argv)
     load, levels = load_from_flags(args)
     return Settings(
-        args.repository.expanduser(), args.image, load, levels, args.connections, args.threads
+        args.repository.expanduser(),
+        args.pipeline,
+        args.image,
+        args.tracing == "on",
+        load,
+        levels,
+        args.connections,
+        args.threads,
     )
+
+
+def subset_repository(source: Path, models: Sequence[str], folder: Path) -> Path:
+    """A repository under ``folder`` holding only ``models`` (links into ``source``)."""
+    root = folder / "repository"
+    root.mkdir()
+    for name in models:
+        (root / name).symlink_to(source.expanduser().resolve() / name)
+    return root
+
+
+@contextlib.contextmanager
+def pipeline_mesh(source: Path, pipe: Pipeline, tracing: bool) -> Iterator[MeshInfo]:
+    """The local mesh on the pipeline's models alone (no LLM), tracing on or off, no
+    batch jobs; stopped by PID on exit."""
+    with tempfile.TemporaryDirectory(prefix="meshserve-pipeline-") as tmp:
+        folder = Path(tmp)
+        repository = subset_repository(source, pipe.models, folder)
+        document = yaml.safe_load((ROOT / "deploy" / "local" / "mesh.yaml").read_text())
+        supervisor = document.setdefault("supervisor", {})
+        supervisor["trace_store"] = tracing
+        supervisor["jobs"] = {"enabled": False}
+        config = folder / "mesh.yaml"
+        config.write_text(yaml.safe_dump(document, sort_keys=False))
+        proc = start_supervisor(repository, config, folder / "mesh.log", 180.0)
+        started: dict[int, int | None] = {}
+        try:
+            info = wait_ready(proc, 180.0, folder / "mesh.log")
+            started = {pid: start_ticks(pid) for pid in info.pids.values()}
+            yield info
+        finally:
+            stop_mesh(proc, started)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Floor, mesh, load, report; returns the exit status."""
     install_sigterm_exit()
     settings = parse_args(argv)
-    missing = missing_models(settings.repository, (ENSEMBLE, *STAGES))
+    floor = FLOORS[settings.pipeline](settings.repository)
+    pipe = Pipeline(settings.pipeline, floor.steps)
+    missing = missing_models(settings.repository, pipe.models)
     if missing:
         print(f"{settings.repository} lacks {missing}: run `python -m models.prepare`")
         return 2
-    data = sample_image(settings.image).read_bytes()
-    print(f"{settings.image}: {len(data)} bytes; load average at start {load_average()}")
-    floor = Floor(settings.repository)
-    labels, probabilities = floor.classify(floor.preprocess(data)[None])
+    if pipe.ensemble == "image_classifier":
+        data = sample_image(settings.image).read_bytes()
+        print(f"{settings.image}: {len(data)} bytes; load average at start {load_average()}")
+    else:
+        data = SENTENCE
+        print(f"{data.decode()!r}; load average at start {load_average()}")
     print(
-        f"floor: ORT intra-op threads {floor.intra_op_threads}, preprocess threads "
-        f"{settings.threads}; top-1 {labels[0][0].decode()} {probabilities[0][0]:.3f}",
+        f"floor: first-step threads {settings.threads}; "
+        f"{floor.describe(answer(floor, [floor.first(data)]))}",
         flush=True,
     )
     floor_results = measure_floor(floor, data, settings)
-    payload = infer_payload(data)
-    with running_mesh(settings.repository) as info:
-        label, probability = asyncio.run(mesh_answer(info.orchestrator, payload))
-        print(f"mesh ready ({info.orchestrator}); top-1 {label} {probability:.3f}", flush=True)
-        mesh_results = asyncio.run(load_mesh(info, payload, settings))
-    print_report(floor_results, mesh_results)
+    payload = infer_payload(pipe, data)
+    mesh_results = asyncio.run(mesh_run(pipe, payload, settings))
+    print_report(pipe, floor_results, mesh_results)
     return 0
+
+
+async def mesh_run(pipe: Pipeline, payload: bytes, settings: Settings) -> list[LoadResult]:
+    """Start the mesh, check one answer, load it; stop it."""
+    with pipeline_mesh(settings.repository, pipe, settings.tracing) as info:
+        outputs = await mesh_answer(info.orchestrator, payload)
+        tracing = "on" if settings.tracing else "off"
+        print(
+            f"mesh ready ({info.orchestrator}, tracing {tracing}); {describe_answer(outputs)}",
+            flush=True,
+        )
+        return await load_mesh(info, pipe, payload, settings)
 
 
 if __name__ == "__main__":
