@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -40,15 +41,18 @@ from common import (
     install_sigterm_exit,
     load_average,
 )
-from peers import report, servers
+from peers import report, servers, triton_load
 from peers.model import MODEL, mesh_repository, torchserve_store, write_torchscript
 from peers.servers import Running
 from peers.torchserve import java_missing, torchserve
+from peers.triton_load import Agreement
 from peers.ways import Way, all_ways, plain_json
 
 from deploy.local.procfs import TICKS
 
-SERVERS = ("mesh", "kserve", "torchserve", "fastapi")
+SERVERS = ("mesh", "kserve", "torchserve", "fastapi", "mesh-log", "baseline")
+"""mesh-log: the mesh with Envoy's access log on; baseline: the mesh of --baseline's tree."""
+MESH_LIKE = {"mesh-log": "mesh+log: ", "baseline": "baseline: "}
 CACHE = Path("~/.cache/meshserve").expanduser()
 
 
@@ -63,6 +67,12 @@ class Settings:
     fastapi_python: Path
     plot: Path | None
     rounds: int
+    baseline: Path | None
+    """Another source tree of the project (e.g. ``git archive`` of an older commit)."""
+    ways: tuple[str, ...]
+    """Run only the ways whose label contains one of these (all when empty)."""
+    perf_analyzer: bool
+    """Also load each way perf_analyzer speaks with it, and compare."""
 
 
 def steal_seconds() -> float:
@@ -80,8 +90,12 @@ def started(server: str, work: Path, settings: Settings) -> Iterator[Running | N
     """The server, running; None (with a line saying why) where it cannot start here."""
     model_pt = work / "model.pt"
     folder = Path(tempfile.mkdtemp(prefix=f"{server}-", dir=work))
-    if server == "mesh":
-        with servers.mesh(work / "repository", folder) as running:
+    if server in ("mesh", "mesh-log", "baseline"):
+        overrides: dict[str, dict[str, object]] = {}
+        if server == "mesh-log":
+            overrides = {"envoy": {"access_log": True}}
+        root = settings.baseline if server == "baseline" and settings.baseline else servers.ROOT
+        with servers.mesh(work / "repository", folder, overrides, root) as running:
             yield running
     elif server == "kserve":
         with servers.kserve(settings.kserve_python, model_pt, folder, MODEL) as running:
@@ -111,7 +125,7 @@ async def measure(way: Way, running: Running, in_flight: int, load: LoadSettings
 
 
 async def one_round(
-    number: int, work: Path, settings: Settings, ways: Sequence[Way]
+    number: int, work: Path, settings: Settings, ways: Sequence[Way], agreements: list[Agreement]
 ) -> list[LoadResult]:
     """Each server in turn: start it, measure its ways at every level, stop it."""
     results: list[LoadResult] = []
@@ -119,12 +133,35 @@ async def one_round(
         with started(server, work, settings) as running:
             if running is None:
                 continue
-            for way in (w for w in ways if w.server == server):
+            for way in (w for w in ways if w.server == server and _chosen(w, settings)):
                 for in_flight in settings.in_flight:
                     result = await measure(way, running, in_flight, settings.load)
                     results.append(result)
                     print(f"  round {number} {report.round_line(result)}", flush=True)
+                    if settings.perf_analyzer:
+                        seconds = settings.load.seconds
+                        agreement = await triton_load.measure(
+                            way, running, in_flight, seconds, result.rate
+                        )
+                        if agreement is not None:
+                            agreements.append(agreement)
+                            print(f"  round {number} {triton_load.line(agreement)}", flush=True)
     return results
+
+
+def _chosen(way: Way, settings: Settings) -> bool:
+    return not settings.ways or any(part in way.label for part in settings.ways)
+
+
+def with_variants(ways: Sequence[Way]) -> list[Way]:
+    """The mesh's ways again for each mesh variant, labelled with its prefix."""
+    extra = [
+        dataclasses.replace(way, server=server, label=prefix + way.label)
+        for server, prefix in MESH_LIKE.items()
+        for way in ways
+        if way.server == "mesh"
+    ]
+    return [*ways, *extra]
 
 
 def prepare(work: Path) -> None:
@@ -143,12 +180,19 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument("--warmup", type=float, default=1.5)
     parser.add_argument("--settle", type=float, default=1.0, help="longest wait for quiet")
     parser.add_argument("--in-flight", default="16,1")
-    parser.add_argument("--only", default=",".join(SERVERS), help="servers to run")
+    parser.add_argument("--only", default=",".join(SERVERS[:4]), help="servers to run")
     parser.add_argument("--venvs", type=Path, default=CACHE / "venvs")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG here")
+    parser.add_argument("--baseline", type=Path, default=None, help="a tree for baseline")
+    parser.add_argument("--ways", default="", help="comma-separated label parts to keep")
+    parser.add_argument(
+        "--perf-analyzer", action="store_true", help="compare with Triton's perf_analyzer"
+    )
     args = parser.parse_args(argv)
     chosen = tuple(s for s in args.only.split(",") if s)
     unknown = set(chosen) - set(SERVERS)
+    if "baseline" in chosen and args.baseline is None:
+        parser.error("--only baseline needs --baseline DIR")
     if unknown:
         parser.error(f"--only: unknown servers {sorted(unknown)}; choose from {SERVERS}")
     return Settings(
@@ -159,17 +203,21 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         args.venvs / "peers-fastapi" / "bin" / "python",
         args.plot,
         max(1, args.rounds),
+        args.baseline.resolve() if args.baseline else None,
+        tuple(part for part in args.ways.split(",") if part),
+        args.perf_analyzer,
     )
 
 
-async def run(settings: Settings) -> list[LoadResult]:
+async def run(settings: Settings, agreements: list[Agreement]) -> list[LoadResult]:
     """Prepare the model, then every round."""
     results: list[LoadResult] = []
     with tempfile.TemporaryDirectory(prefix="meshserve-peers-") as tmp:
         work = Path(tmp)
         prepare(work)
         for number in range(1, settings.rounds + 1):
-            results += await one_round(number, work, settings, all_ways())
+            ways = with_variants(all_ways())
+            results += await one_round(number, work, settings, ways, agreements)
     return results
 
 
@@ -182,12 +230,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{python} is missing: run `make bench-peers` (it builds the peers' venvs)")
             return 2
     print(f"load average at start {load_average()}", flush=True)
-    results = asyncio.run(run(settings))
+    if settings.perf_analyzer and (why := triton_load.missing()) is not None:
+        print(why)
+        return 2
+    agreements: list[Agreement] = []
+    results = asyncio.run(run(settings, agreements))
     summaries = report.summarise(results)
     print()
     print(report.table(summaries))
     print()
     print(report.ratios(summaries))
+    if agreements:
+        print()
+        print(triton_load.table(agreements))
     print(f"load average at end {load_average()}")
     if settings.plot is not None:
         report.plot(summaries, settings.plot)

@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from common import MESH_READY_MARKER, ROOT, _mesh_info, _stop_mesh, start_supervisor
+from common import MESH_READY_MARKER, ROOT, _mesh_info, _stop_mesh
 from peers.torchserve import free_port, stop_tree, tree
 
 from deploy.local.procfs import start_ticks
@@ -108,9 +109,9 @@ def fastapi(python: Path, model_pt: Path, folder: Path, body: bytes) -> Iterator
         yield Running(http=f"127.0.0.1:{port}", pids=_labelled(proc.pid, "fastapi"))
 
 
-def mesh_config(folder: Path, overrides: dict[str, dict[str, object]]) -> Path:
-    """The default mesh YAML, cut to the inference stage, tracing and jobs off."""
-    document = yaml.safe_load((ROOT / "deploy" / "local" / "mesh.yaml").read_text())
+def mesh_config(folder: Path, overrides: dict[str, dict[str, object]], root: Path) -> Path:
+    """``root``'s default mesh YAML, cut to the inference stage, tracing and jobs off."""
+    document = yaml.safe_load((root / "deploy" / "local" / "mesh.yaml").read_text())
     supervisor = document.setdefault("supervisor", {})
     supervisor["trace_store"] = False
     supervisor["jobs"] = {"enabled": False}
@@ -122,14 +123,35 @@ def mesh_config(folder: Path, overrides: dict[str, dict[str, object]]) -> Path:
     return path
 
 
+def _supervisor(root: Path, repository: Path, config: Path, log: Path) -> subprocess.Popen[str]:
+    """The supervisor of the source tree ``root`` (this one, or an older copy to compare)."""
+    command = [sys.executable, "-m", "deploy.local.supervisor", "--model-repository"]
+    command += [str(repository), "--config", str(config), "--ports", "auto"]
+    command += ["--ready-timeout-s", "120"]
+    with log.open("w") as stderr:
+        return subprocess.Popen(
+            command,
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{root}:{root}/protos"},
+            start_new_session=True,
+        )
+
+
 @contextlib.contextmanager
 def mesh(
-    repository: Path, folder: Path, overrides: dict[str, dict[str, object]] | None = None
+    repository: Path,
+    folder: Path,
+    overrides: dict[str, dict[str, object]] | None = None,
+    root: Path = ROOT,
 ) -> Iterator[Running]:
-    """The mesh; ``extra``: ``stage`` (inference-0's gRPC), ``edge`` (Envoy's port)."""
-    config = mesh_config(folder, overrides or {})
+    """The mesh of source tree ``root``; ``extra``: ``stage`` (inference-0's gRPC),
+    ``edge`` (Envoy's port)."""
+    config = mesh_config(folder, overrides or {}, root)
     log = folder / "mesh.log"
-    proc = start_supervisor(repository, config, log, 120.0)
+    proc = _supervisor(root, repository, config, log)
     started: dict[int, int | None] = {}
     try:
         ready = _ready_document(proc, log)

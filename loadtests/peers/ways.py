@@ -61,6 +61,9 @@ class Way:
     label: str
     target: Callable[[Running, int], Target]
     """(running server, in-flight) -> a fresh target."""
+    perf_analyzer: Callable[[Running], tuple[str, str]] | None = None
+    """(running server) -> (address, protocol) for Triton's perf_analyzer, where it
+    speaks this way (its HTTP client sends and asks for binary tensors)."""
 
 
 def grpc_payload(model: str) -> bytes:
@@ -121,20 +124,37 @@ def all_ways() -> list[Way]:
     binary, binary_headers = rest_binary()
     infer = f"/v2/models/{MODEL}/infer"
     return [
-        Way("mesh", "stage direct", _grpc(lambda r: r.extra["stage"], MODEL)),
+        Way(
+            "mesh",
+            "stage direct",
+            _grpc(lambda r: r.extra["stage"], MODEL),
+            lambda r: (r.extra["stage"], "grpc"),
+        ),
         Way("mesh", "stage direct b8", _grpc(lambda r: r.extra["stage"], BATCHED)),
-        Way("mesh", "orchestrator gRPC", _grpc(lambda r: r.grpc, MODEL)),
-        Way("mesh", "Envoy gRPC", _grpc(lambda r: r.http, MODEL)),
+        Way(
+            "mesh", "orchestrator gRPC", _grpc(lambda r: r.grpc, MODEL), lambda r: (r.grpc, "grpc")
+        ),
+        Way("mesh", "Envoy gRPC", _grpc(lambda r: r.http, MODEL), lambda r: (r.http, "grpc")),
         Way("mesh", "Envoy REST JSON", _post(infer, rest_json(), _JSON)),
-        Way("mesh", "Envoy REST binary", _post(infer, binary, binary_headers)),
+        Way(
+            "mesh",
+            "Envoy REST binary",
+            _post(infer, binary, binary_headers),
+            lambda r: (r.http, "http"),
+        ),
         Way(
             "mesh",
             "Envoy meshserve.v1 JSON",
             _post(f"/api/v1/models/{MODEL}/infer", rest_json(), _JSON),
         ),
-        Way("kserve", "KServe gRPC", _grpc(lambda r: r.grpc, MODEL)),
+        Way("kserve", "KServe gRPC", _grpc(lambda r: r.grpc, MODEL), lambda r: (r.grpc, "grpc")),
         Way("kserve", "KServe REST JSON", _post(infer, rest_json(), _JSON)),
-        Way("kserve", "KServe REST binary", _post(infer, binary, binary_headers)),
+        Way(
+            "kserve",
+            "KServe REST binary",
+            _post(infer, binary, binary_headers),
+            lambda r: (r.http, "http"),
+        ),
         Way(
             "torchserve", "TorchServe REST b8", _post(f"/predictions/{MODEL}", plain_json(), _JSON)
         ),
