@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 
 from inference import grpc_service_pb2 as pb
@@ -54,6 +55,9 @@ T = TypeVar("T")
 
 REFILL_DELAY_S = 0.05
 """How long after a stream's release its replica's spares are topped up."""
+PROBE_INTERVAL_S = 0.25
+"""How often a replica that is unreachable or still loading is asked again (the
+others wait for the refresh interval): a restarted stage serves again at once."""
 
 StageCall = Callable[["Stub"], Awaitable[T]]
 """One typed RPC on a replica's stub (``lambda stub: stub.ModelInfer(request)``)."""
@@ -96,6 +100,9 @@ class Endpoint:
     where a model that is not loaded would load."""
     load_errors: dict[str, str] = field(default_factory=dict)
     """Models this replica failed to load -> the error (RepositoryIndex reason)."""
+    loading: set[str] = field(default_factory=set)
+    """Models this replica lists but has not loaded yet while it starts (its health
+    is NOT_SERVING until every model it loads at start is in): UNAVAILABLE, not unknown."""
     ready: bool = False
     in_flight: int = 0
     spare_count: int = 0
@@ -312,18 +319,26 @@ class StageRouter:
                 log.exception("stage resolution failed")
 
     async def _refresh_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
-            await asyncio.sleep(self.refresh_interval_s)
+            await asyncio.sleep(min(PROBE_INTERVAL_S, self.refresh_interval_s))
             try:
-                await self.refresh()
+                if loop.time() - last >= self.refresh_interval_s:
+                    last = loop.time()
+                    await self.refresh()
+                else:
+                    await self.refresh(waiting_only=True)
             except Exception:
                 log.exception("stage discovery failed")
 
-    async def refresh(self) -> None:
-        """Ask every endpoint which models it has ready, and which failed (RepositoryIndex)."""
-        before = {id(e): (e.ready, frozenset(e.models)) for e in self.endpoints}
-        await asyncio.gather(*(self._refresh_one(e) for e in self.endpoints))
-        after = {id(e): (e.ready, frozenset(e.models)) for e in self.endpoints}
+    async def refresh(self, *, waiting_only: bool = False) -> None:
+        """Ask every endpoint which models it has ready, and which failed (RepositoryIndex);
+        ``waiting_only``: only those unreachable or still loading."""
+        endpoints = [e for e in self.endpoints if not waiting_only or not e.ready or e.loading]
+        before = {id(e): (e.ready, frozenset(e.models)) for e in endpoints}
+        await asyncio.gather(*(self._refresh_one(e) for e in endpoints))
+        after = {id(e): (e.ready, frozenset(e.models)) for e in endpoints}
         if before != after and self.on_change is not None:
             await self.on_change()
 
@@ -348,6 +363,8 @@ class StageRouter:
             for model in index.models
             if model.state == "UNAVAILABLE" and model.reason and model.name not in endpoint.models
         }
+        waiting = endpoint.listed - endpoint.models - endpoint.load_errors.keys()
+        endpoint.loading = waiting if waiting and await _starting(endpoint) else set()
         endpoint.ready = True
         endpoint.fill_spares()
 
@@ -385,8 +402,15 @@ class StageRouter:
         return least[next(self._turn) % len(least)]
 
     def _not_hosted(self, model: str) -> NotFound | Unavailable:
-        """The error for a model no replica serves: its load error where a stage
-        failed to load it, else unknown (Triton's words first, for its clients)."""
+        """The error for a model no replica serves: still loading where a stage is
+        starting (restarted, say), its load error where a stage failed to load it,
+        else unknown (Triton's words first, for its clients)."""
+        starting = [e for e in self.endpoints if e.ready and model in e.loading]
+        if starting:
+            return Unavailable(
+                f"Request for unknown model: '{model}' has no available versions: not "
+                f"loaded yet ({', '.join(e.describe() for e in starting)} is starting)"
+            )
         failed = [e for e in self.endpoints if model in e.load_errors]
         if not failed:
             return NotFound(
@@ -468,3 +492,14 @@ class StageRouter:
             return response
 
         return (await self.call(model, fetch)).config
+
+
+async def _starting(endpoint: Endpoint) -> bool:
+    """True while the replica's health is NOT_SERVING: it loads its models at start
+    (then SERVING) or drains. A stage without the health service is never starting."""
+    stub = health_pb2_grpc.HealthStub(endpoint.channels[0])
+    try:
+        answer = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    except grpc.aio.AioRpcError:
+        return False
+    return bool(answer.status != health_pb2.HealthCheckResponse.SERVING)
