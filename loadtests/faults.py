@@ -4,10 +4,12 @@ The path of one fault run, one line per piece::
 
     ProcessTable     the mesh's processes (PID and start time) from the supervisor's ready
                      line; ``restarted()`` names those that are no longer the same process
-    load_with_fault  N threads call back to back; at ``fault_at_s`` one signal (SIGKILL,
-                     SIGTERM, SIGSTOP) goes to one process; every answer is timed
-    FaultResult      failures by status code and the recovery time (the end of the last
-                     failed call after the fault)
+    load_with_fault  N threads call back to back (taking turns over the kinds of call,
+                     when given several); at ``fault_at_s`` one signal (SIGKILL, SIGTERM,
+                     SIGSTOP) goes to one process; every answer is timed
+    FaultResult      failures by status code, the end of the last failed call after the
+                     fault, and per kind of call its recovery: from the fault to the first
+                     success of a call that began after that kind's first failure
 
 Imported by ``tests/integration/test_reliability.py`` and ``loadtests/reliability.py``.
 """
@@ -15,6 +17,7 @@ Imported by ``tests/integration/test_reliability.py`` and ``loadtests/reliabilit
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import threading
@@ -31,6 +34,8 @@ from deploy.local.procfs import child_pids, start_ticks
 
 Call = Callable[[], None]
 """One request; raises grpc.RpcError on failure."""
+Calls = Call | Mapping[str, Call]
+"""One kind of call, or several by name (each timed apart)."""
 
 
 @dataclass(frozen=True)
@@ -81,19 +86,41 @@ class FaultResult:
     codes: Counter[str] = field(default_factory=Counter)
     last_failure_s: float = 0.0
     """Seconds from the fault to the end of the last failed call (0: none failed)."""
+    failed_at: dict[str, float] = field(default_factory=dict)
+    """Kind of call -> seconds from the fault to the end of its first failed call."""
+    recovered_s: dict[str, float] = field(default_factory=dict)
+    """Kind of call -> seconds from the fault to the end of its first success that
+    began after its first failure (absent: it never failed, or never recovered)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def failures(self) -> dict[str, int]:
         """Failed calls by status code name."""
         return {code: n for code, n in self.codes.items() if code != "OK"}
 
-    def add(self, code: str, since_fault_s: float | None) -> None:
-        """Count one answer; ``since_fault_s`` is when it ended (None: before the fault)."""
+    def unrecovered(self) -> list[str]:
+        """Kinds of call that failed after the fault and never succeeded again."""
+        return sorted(set(self.failed_at) - set(self.recovered_s))
+
+    def recovery_s(self) -> float:
+        """The slowest kind's recovery (0: none failed; inf: one never recovered)."""
+        if self.unrecovered():
+            return float("inf")
+        return max(self.recovered_s.values(), default=0.0)
+
+    def add(self, code: str, window: tuple[float, float] | None, kind: str = "") -> None:
+        """Count one answer; ``window``: when it began and ended, in seconds from the
+        fault (None: it ended before the fault)."""
         with self.lock:
             self.requests += 1
             self.codes[code] += 1
-            if code != "OK" and since_fault_s is not None:
-                self.last_failure_s = max(self.last_failure_s, since_fault_s)
+            if window is None:
+                return
+            began, ended = window
+            if code != "OK":
+                self.last_failure_s = max(self.last_failure_s, ended)
+                self.failed_at.setdefault(kind, ended)
+            elif began >= self.failed_at.get(kind, float("inf")):
+                self.recovered_s.setdefault(kind, ended)
 
 
 @dataclass(frozen=True)
@@ -101,7 +128,7 @@ class FaultPlan:
     """A fault run's shape: the load, the signal and when it goes."""
 
     name: str
-    call: Call
+    call: Calls
     pid: int | None
     """Where the signal goes (None: no fault, load only)."""
     signum: signal.Signals = signal.SIGKILL
@@ -115,20 +142,27 @@ def load_with_fault(plan: FaultPlan) -> FaultResult:
     result = FaultResult(plan.name)
     stop = threading.Event()
     fault_at: list[float] = []
+    kinds = list(plan.call.items()) if isinstance(plan.call, Mapping) else [("", plan.call)]
 
-    def worker() -> None:
-        while not stop.is_set():
-            code = "OK"
+    def worker(first: int) -> None:
+        for turn in itertools.count(first):
+            if stop.is_set():
+                return
+            kind, call = kinds[turn % len(kinds)]
+            code, began = "OK", time.monotonic()
             try:
-                plan.call()
+                call()
             except grpc.RpcError as exc:
                 code = exc.code().name
-            now = time.monotonic()
-            result.add(code, now - fault_at[0] if fault_at else None)
+            ended = time.monotonic()
+            window = (began - fault_at[0], ended - fault_at[0]) if fault_at else None
+            result.add(code, window, kind)
             if code != "OK":
                 time.sleep(0.05)  # a refused call returns at once: do not spin
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(plan.in_flight)]
+    threads = [
+        threading.Thread(target=worker, args=(i,), daemon=True) for i in range(plan.in_flight)
+    ]
     start = time.monotonic()
     for thread in threads:
         thread.start()

@@ -145,13 +145,27 @@ def image_request() -> pb.ModelInferRequest:
     return request
 
 
+def stage_calls(
+    stub: pb_grpc.GRPCInferenceServiceStub, timeout_s: float = 30
+) -> dict[str, faults.Call]:
+    """text_embedding and image_classifier (between them, every stage), by model."""
+
+    def calling(request: pb.ModelInferRequest) -> faults.Call:
+        def call() -> None:
+            stub.ModelInfer(request, timeout=timeout_s)
+
+        return call
+
+    return {r.model_name: calling(r) for r in [embedding_request(), image_request()]}
+
+
 def mixed_call(stub: pb_grpc.GRPCInferenceServiceStub, timeout_s: float = 30) -> faults.Call:
-    """Alternately text_embedding and image_classifier (between them, every stage)."""
-    requests = [embedding_request(), image_request()]
+    """Alternately text_embedding and image_classifier."""
+    calls = list(stage_calls(stub, timeout_s).values())
     turn = iter(range(10**12))
 
     def call() -> None:
-        stub.ModelInfer(requests[next(turn) % 2], timeout=timeout_s)
+        calls[next(turn) % len(calls)]()
 
     return call
 
@@ -222,7 +236,7 @@ def fault_rows(info: dict[str, Any], in_flight: int, single: bool) -> tuple[list
         pid = current_pid(info, label)
         plan = faults.FaultPlan(
             f"{signum.name} {label}",
-            mixed_call(stub),
+            stage_calls(stub),
             pid,
             signum,
             in_flight=in_flight,
@@ -231,7 +245,7 @@ def fault_rows(info: dict[str, Any], in_flight: int, single: bool) -> tuple[list
         result = faults.load_with_fault(plan)
         failures = result.failures()
         ok = set(failures) <= {"UNAVAILABLE"} if single else not failures
-        ok = ok and result.last_failure_s < RECOVERY_LIMIT_S
+        ok = ok and max(result.recovery_s(), result.last_failure_s) < RECOVERY_LIMIT_S
         fine &= ok
         rows.append(_fault_row(plan.name, result, ok))
         _wait_serving(stub)
@@ -244,7 +258,16 @@ def fault_rows(info: dict[str, Any], in_flight: int, single: bool) -> tuple[list
 
 def _fault_row(name: str, result: faults.FaultResult, ok: bool) -> list[Any]:
     failures = " ".join(f"{code}={n}" for code, n in sorted(result.failures().items()))
-    return [name, result.requests, failures or "0", result.last_failure_s, "yes" if ok else "NO"]
+    recovery = [f"{kind} {s:.1f}" for kind, s in sorted(result.recovered_s.items())]
+    recovery += [f"{kind} never" for kind in result.unrecovered()]
+    return [
+        name,
+        result.requests,
+        failures or "0",
+        ", ".join(recovery) or "-",
+        result.last_failure_s,
+        "yes" if ok else "NO",
+    ]
 
 
 def _wait_serving(stub: pb_grpc.GRPCInferenceServiceStub) -> None:
@@ -277,7 +300,8 @@ def stall_row(info: dict[str, Any], stub: pb_grpc.GRPCInferenceServiceStub) -> l
     timed_out = codes["text_embedding:DEADLINE_EXCEEDED"] + codes["text_embedding:UNAVAILABLE"]
     ok = timed_out == 4 and codes["image_classifier:OK"] == 4
     summary = " ".join(f"{k}={v}" for k, v in sorted(codes.items()))
-    return ["SIGSTOP tokenizer", 8, summary, time.monotonic() - start, "yes" if ok else "NO"]
+    serving_s = time.monotonic() - start
+    return ["SIGSTOP tokenizer", 8, summary, f"serving {serving_s:.1f}", "-", "yes" if ok else "NO"]
 
 
 def rss_mib(pid: int) -> float:
@@ -364,6 +388,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="also overload a mesh whose stages set this default_queued_batches",
     )
+    parser.add_argument(
+        "--overload-rounds",
+        type=int,
+        default=1,
+        help="overload runs in a row on one mesh, RSS after each (a leak grows every round)",
+    )
     parser.add_argument("--slow", type=int, default=300, help="slowloris connections")
     parser.add_argument("--idle", type=int, default=1000, help="idle connections")
     parser.add_argument("--half-open", type=int, default=500, help="half-open requests")
@@ -440,20 +470,36 @@ def run_bounded_overload(args: argparse.Namespace) -> bool:
 
 
 def _overload_part(info: MeshInfo, args: argparse.Namespace) -> bool:
-    """Part 5: its table and the RSS of every process; only OK and RESOURCE_EXHAUSTED."""
+    """Part 5: its table and the RSS of every process; only OK and RESOURCE_EXHAUSTED.
+    With ``--overload-rounds`` above 1, RSS after every round too."""
     before = {name: rss_mib(pid) for name, pid in info.pids.items()}
-    run = abuse.overload(
-        info.orchestrator, image_request(), args.overload_in_flight, args.overload_s
-    )
-    answers, wall_s = asyncio.run(run)
-    after = {name: rss_mib(pid) for name, pid in info.pids.items()}
-    name = f"{args.overload_in_flight} in flight, {args.overload_s:g} s"
-    print(format_table(abuse.OVERLOAD_HEADERS, [abuse.overload_row(name, answers, wall_s)]))
-    print(abuse.rss_table(before, after))
-    return set(answers.codes) <= {"OK", "RESOURCE_EXHAUSTED"}
+    rows, rounds, codes = [], [], set()
+    for index in range(args.overload_rounds):
+        run = abuse.overload(
+            info.orchestrator, image_request(), args.overload_in_flight, args.overload_s
+        )
+        answers, wall_s = asyncio.run(run)
+        codes |= set(answers.codes)
+        name = f"{args.overload_in_flight} in flight, {args.overload_s:g} s, round {index + 1}"
+        rows.append(abuse.overload_row(name, answers, wall_s))
+        rounds.append({name: rss_mib(pid) for name, pid in info.pids.items()})
+    print(format_table(abuse.OVERLOAD_HEADERS, rows))
+    print(abuse.rss_table(before, rounds[-1]))
+    if len(rounds) > 1:
+        names = sorted(before)
+        table = [[i + 1, *(r[n] for n in names)] for i, r in enumerate(rounds)]
+        print(format_table(["RSS MiB after round", *names], [[0, *map(before.get, names)], *table]))
+    return codes <= {"OK", "RESOURCE_EXHAUSTED"}
 
 
-HEADERS = ["fault run", "requests", "failures by code", "recovery s", "as expected"]
+HEADERS = [
+    "fault run",
+    "requests",
+    "failures by code",
+    "recovery s (fault to first OK, per model that failed)",
+    "last failure s",
+    "as expected",
+]
 
 if __name__ == "__main__":
     sys.exit(main())
