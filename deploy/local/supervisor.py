@@ -147,7 +147,7 @@ def listeners(specs: Sequence[ProcessSpec]) -> list[Listener]:
 def _edge(ports: Any, orchestrator: str, host: str) -> list[ProcessSpec]:
     """The HTTP adapter and Envoy, both pointed at the orchestrator."""
     adapter_port, adapter_metrics = ports("http_adapter", 0)
-    envoy_port, _ = ports("envoy", 0)
+    envoy_port, envoy_metrics = ports("envoy", 0)
     adapter = ProcessSpec(
         "http_adapter",
         "http_adapter",
@@ -162,7 +162,7 @@ def _edge(ports: Any, orchestrator: str, host: str) -> list[ProcessSpec]:
         "envoy",
         "gateway.envoy.main",
         envoy_port,
-        -1,
+        envoy_metrics,  # Envoy's own statistics (gateway/envoy/stats.py)
         ("--orchestrator", orchestrator, "--http-adapter", f"{host}:{adapter_port}"),
     )
     return [adapter, envoy]

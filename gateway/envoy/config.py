@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway.envoy import torchserve
+from gateway.envoy import stats, torchserve
 from gateway.envoy.access import JwtAuth, RateLimit, access_filters, route_rate_limits
 from gateway.envoy.cors import cors_filters, cors_policy
 from gateway.envoy.upstream_tls import UpstreamTls, secure
@@ -88,6 +88,8 @@ class EdgeSettings:
     """Browser origins allowed to call the edge (cors.py); empty: CORS off."""
     torchserve_management: str | None = None
     """host:port of TorchServe's management listener (torchserve.py); none: off."""
+    metrics: str | None = None
+    """host:port of the listener that serves Envoy's statistics for Prometheus (stats.py)."""
 
 
 def _address(host_port: str) -> dict[str, Any]:
@@ -425,12 +427,16 @@ def build_config(settings: EdgeSettings) -> dict[str, Any]:
         clusters.append(_cluster("otlp", settings.otlp_endpoint, http2=True, health=None))
     if settings.trace_store:
         clusters.append(_cluster("tracestore", settings.trace_store, http2=False, health=None))
+    listeners = [_listener(settings), *_torchserve_listener(settings)]
+    if settings.metrics:
+        clusters.append(stats.admin_cluster(settings.admin_socket))
+        listeners.append(stats.stats_listener(_address(settings.metrics)))
     return {
         # Admin (drain, stats, quit) only for this user, never over TCP.
         "admin": {"address": {"pipe": {"path": str(settings.admin_socket), "mode": 0o600}}},
         "overload_manager": _overload(settings),
         "static_resources": {
-            "listeners": [_listener(settings), *_torchserve_listener(settings)],
+            "listeners": listeners,
             "clusters": secure(clusters, settings.upstream_tls),
         },
     }

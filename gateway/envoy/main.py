@@ -147,6 +147,7 @@ def settings_from(config: EdgeConfig, workdir: Path) -> EdgeSettings:
         access_log=config.access_log,
         upstream_tls=_upstream_tls(config),
         cors_origins=tuple(config.cors_origins),
+        metrics=f"{config.host}:{config.metrics_port}" if config.metrics_port > 0 else None,
         torchserve_management=(
             f"{config.host}:{config.torchserve_management_port}"
             if config.torchserve_management_port > 0

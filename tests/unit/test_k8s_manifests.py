@@ -449,7 +449,8 @@ def test_pod_monitor_scrapes_every_metrics_port(rendered: list[dict[str, Any]]) 
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert selector.items() <= labels.items()
         with_metrics += any(p["name"] == endpoint["port"] for p in container["ports"])
-    assert with_metrics == 7  # the four stages, the orchestrator, the HTTP adapter, the workers
+    # the four stages, the orchestrator, the HTTP adapter, the workers, Envoy
+    assert with_metrics == 8
 
 
 def test_gpu_overlay_runs_the_llm_on_gpus() -> None:
