@@ -127,6 +127,9 @@ def trace(args: argparse.Namespace) -> int:
         return 2
     except TraceNotFound:
         print(f"error: the trace store at {base} has no trace {ids[0]}", file=sys.stderr)
+        if re.fullmatch(r"00-[0-9a-fA-F]{32}-[0-9a-fA-F]{16}-00", args.trace_id or ""):
+            # The sampled flag is off: no hop recorded this request (trace_sample_ratio).
+            print("(its traceparent says it was not sampled)", file=sys.stderr)
         return 1
     except urllib.error.URLError as exc:
         print(f"error: cannot reach the trace store at {base}: {exc.reason}", file=sys.stderr)

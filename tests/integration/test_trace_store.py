@@ -185,6 +185,9 @@ def test_cli_shows_queue_compute_and_network_per_hop(store: ServiceProcess) -> N
 
     missing = meshserve_trace(store, "cd" * 16, "--wait-s", "0")
     assert missing.returncode == 1 and "has no trace" in missing.stderr
+    assert "not sampled" not in missing.stderr
+    unsampled = meshserve_trace(store, f"00-{'cd' * 16}-{'ef' * 8}-00", "--wait-s", "0")
+    assert unsampled.returncode == 1 and "not sampled" in unsampled.stderr
 
 
 def span(trace_id: str, start_us: int, padding: int = 0) -> SpanRecord:
