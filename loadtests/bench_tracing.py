@@ -1,6 +1,7 @@
 """Tracing's cost: the mesh exporting every span to its local trace store vs no tracing.
 
     python loadtests/bench_tracing.py [--seconds 10] [--rounds 2] [--in-flight 16]
+                                      [--sample-ratio 0.1]
 
 ``text_embedding`` (tokenizer -> MiniLM -> mean pool, three stages behind the
 orchestrator) over gRPC through Envoy, closed loop at ``--in-flight``, on a
@@ -10,7 +11,9 @@ round:
 - ``off``: no trace store and no OTLP endpoint (``supervisor.trace_store:
   false``): spans are not recorded, the trace context still travels;
 - ``on``:  the default: the trace store runs and every process (Envoy too)
-  exports its spans to it; the store's own CPU counts as tracing's cost.
+  exports its spans to it; the store's own CPU counts as tracing's cost;
+- ``on R`` (with ``--sample-ratio R``): the same, with ``trace_sample_ratio: R``
+  (a share R of the requests recorded, decided at Envoy).
 
 The fastest run of each is kept (a neighbour on a shared machine only ever
 slows a run down) and the ratio on/off of throughput is printed, with p50/p99
@@ -58,7 +61,7 @@ SENTENCE = b"The quick brown fox jumps over the lazy dog near the river bank."
 
 
 @contextlib.contextmanager
-def text_mesh(repository: Path, tracing: bool) -> Iterator[MeshInfo]:
+def text_mesh(repository: Path, tracing: bool, sample_ratio: float = 1.0) -> Iterator[MeshInfo]:
     """The mesh on the text models only, with tracing on (the default) or off."""
     with tempfile.TemporaryDirectory(prefix="meshserve-bench-tracing-") as tmp:
         folder = Path(tmp)
@@ -69,6 +72,7 @@ def text_mesh(repository: Path, tracing: bool) -> Iterator[MeshInfo]:
         document = yaml.safe_load((ROOT / "deploy" / "local" / "mesh.yaml").read_text())
         supervisor = document.setdefault("supervisor", {})
         supervisor["trace_store"] = tracing
+        document.setdefault("defaults", {})["trace_sample_ratio"] = sample_ratio
         supervisor["stages"] = [s for s in supervisor["stages"] if s["name"] != "preprocess"]
         supervisor["jobs"] = {"enabled": False}
         config = folder / "mesh.yaml"
@@ -111,12 +115,18 @@ async def one_run(info: MeshInfo, label: str, args: argparse.Namespace) -> LoadR
         await target.close()
 
 
+def mesh_cpu_ms(run: LoadResult) -> float:
+    """CPU ms per request of every process of the mesh together."""
+    return 1000.0 * sum(run.usage.processes.values()) / run.per()
+
+
 def report(runs: list[LoadResult]) -> None:
     best = {run.label: run for run in best_runs(runs)}
+    labels = sorted(best, key=lambda label: (label != "off", label != "on", label))
     rows = []
-    for label in ("off", "on"):
+    for label in labels:
         run = best[label]
-        mesh_cpu = 1000.0 * sum(run.usage.processes.values()) / run.per()
+        mesh_cpu = mesh_cpu_ms(run)
         rows.append(
             [
                 label,
@@ -131,23 +141,30 @@ def report(runs: list[LoadResult]) -> None:
         )
     headers = ["tracing", "in flight", "req/s", "p50 ms", "p99 ms", "mesh CPU ms/req"]
     print(format_table([*headers, "errors", "others (cores)"], rows))
-    names = sorted(set(best["off"].usage.processes) | set(best["on"].usage.processes))
+    names = sorted({name for run in best.values() for name in run.usage.processes})
     per_process = [
-        [name, *(f"{best[label].cpu_ms(name):.2f}" for label in ("off", "on"))] for name in names
+        [name, *(f"{best[label].cpu_ms(name):.2f}" for label in labels)] for name in names
     ]
     print("\nCPU ms per request, by process")
-    print(format_table(["process", "off", "on"], per_process))
-    ratio = best["on"].rate / best["off"].rate
-    print(f"\nthroughput with tracing on / off: {ratio:.3f}x  (aim: >= 0.95x)")
+    print(format_table(["process", *labels], per_process))
+    for label in labels[1:]:
+        ratio = best[label].rate / best["off"].rate
+        extra = mesh_cpu_ms(best[label]) - mesh_cpu_ms(best["off"])
+        print(
+            f"\nthroughput with tracing {label} / off: {ratio:.3f}x  (aim: >= 0.95x); "
+            f"mesh CPU {extra:+.2f} ms per request"
+        )
     print(f"load average: {load_average()}")
 
 
 async def main_async(args: argparse.Namespace) -> None:
     runs = []
+    variants = [("off", False, 1.0), ("on", True, 1.0)]
+    if args.sample_ratio is not None:
+        variants.append((f"on {args.sample_ratio:g}", True, args.sample_ratio))
     for round_ in range(args.rounds):
-        for tracing in (False, True):
-            label = "on" if tracing else "off"
-            with text_mesh(args.repository, tracing) as info:
+        for label, tracing, ratio in variants:
+            with text_mesh(args.repository, tracing, ratio) as info:
                 run = await one_run(info, label, args)
             print(f"round {round_ + 1} tracing {label}: {run.rate:.1f} req/s", flush=True)
             runs.append(run)
@@ -163,6 +180,9 @@ def main() -> None:
     parser.add_argument("--settle-s", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--in-flight", type=int, default=16)
+    parser.add_argument(
+        "--sample-ratio", type=float, help="also measure tracing at this trace_sample_ratio"
+    )
     args = parser.parse_args()
     install_sigterm_exit()
     asyncio.run(main_async(args))
