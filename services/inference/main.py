@@ -1,4 +1,5 @@
-"""The inference service: runs pytorch, onnxruntime, python, vllm and torchserve models.
+"""The inference service: runs pytorch, onnxruntime, python, vllm (and its LoRA adapters,
+vllm_lora) and torchserve models.
 
 ``python -m services.inference.main --model-repository DIR [--grpc-port N]``
 """
@@ -16,6 +17,7 @@ from services.inference.python import PythonBackend
 from services.inference.pytorch import PyTorchBackend
 from services.inference.torchserve import TorchServeBackend
 from services.inference.vllm import VllmBackend
+from services.inference.vllm_lora import LoraBackend
 from shared.backend import Backend
 from shared.config import load_config
 from shared.launch import run_service
@@ -31,8 +33,9 @@ class InferenceConfig(StageConfig):
 
 def backends() -> dict[str, Backend]:
     """The backends this service registers, by name."""
-    every = (PyTorchBackend(), OnnxBackend(), PythonBackend(), VllmBackend(), TorchServeBackend())
-    return {b.name: b for b in every}
+    llm = VllmBackend()
+    every = (PyTorchBackend(), OnnxBackend(), PythonBackend(), llm, TorchServeBackend())
+    return {b.name: b for b in every} | {LoraBackend.name: LoraBackend(llm)}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

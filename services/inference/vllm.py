@@ -57,8 +57,8 @@ import numpy as np
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Metric
 from prometheus_client.registry import Collector
 
-from services.inference.vllm_sampling import logprob_arrays
 from services.inference.vllm_prefix import PrefixCacheMetrics
+from services.inference.vllm_sampling import logprob_arrays
 from services.inference.vllm_settings import EngineSettings, Sampling, dtype_name, log_dtype
 from services.inference.vllm_trace import record_times
 from shared.backend import InstanceSpec, ModelSpec
