@@ -45,6 +45,8 @@ _MANAGEMENT_REST_PREFIXES = (
     "/v2/cudasharedmemory/",
     "/models",  # TorchServe's management API (its own listener: gateway/envoy/torchserve.py)
     "/api/v1/routes",  # traffic management: where every caller's requests go
+    "/v1/load_lora_adapter",  # vLLM's adapter management (gateway/http/lora.py)
+    "/v1/unload_lora_adapter",
     "/meshserve.v1.RouteService/",
 )
 _TRACE_SETTING = "/v2/(models/[^/]+(/versions/[^/]+)?/)?trace/setting"

@@ -20,6 +20,7 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from gateway.http import batches, documents, generate, middleware, openai, rest, route_headers, sse
+from gateway.http.lora import LoraApi
 from gateway.http.torchserve import TorchServeApi
 from gateway.http.torchserve_management import TorchServeManagement
 from gateway.http.torchserve_store import ModelStore
@@ -280,6 +281,7 @@ def build_app(state: AdapterState) -> web.Application:
     app.router.add_post("/v2/repository/models/{name}/unload", model_unload)
     generate.GenerateApi(state.upstream, _read_body).add_routes(app.router)
     openai.OpenAIApi(MeshClient(state.upstream), _read_body).add_routes(app.router)
+    LoraApi(state.upstream, _read_body).add_routes(app.router)  # vLLM's adapter paths
     TorchServeApi(state.upstream, _read_body, state.model_store).add_routes(app.router)
     management = TorchServeManagement(state.upstream, state.model_store)
     management.add_routes(app.router)  # Envoy exposes these on their own listener
