@@ -105,7 +105,9 @@ async def _collect(
 def _tools_refused(error: InvalidArgument) -> InvalidArgument:
     """The tokenizer step's refusal of tools, naming the field as OpenAI's errors do."""
     if NO_TOOL_FORMAT in error.message:
-        return InvalidParam("tools", error.message, "unsupported_parameter")
+        # The step's words after its own "tools: " (the field is named once).
+        words = error.message.split("tools: ", 1)[-1]
+        return InvalidParam("tools", words, "unsupported_parameter")
     return error
 
 
