@@ -327,8 +327,8 @@ def chat(args: argparse.Namespace, work: Path) -> None:
 
 def run_batch_seconds(
     flags: list[str], lines: list[dict[str, Any]], work: Path
-) -> tuple[float, int]:
-    """vLLM's run_batch over ``lines``: wall seconds and completion tokens."""
+) -> tuple[float, int, dict[str, str]]:
+    """vLLM's run_batch over ``lines``: wall seconds, completion tokens, texts by custom_id."""
     source, target = work / "in.jsonl", work / "out.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
     target.unlink(missing_ok=True)
@@ -353,7 +353,12 @@ def run_batch_seconds(
         (row.get("response") or {}).get("body", {}).get("usage", {}).get("completion_tokens", 0)
         for row in rows
     )
-    return seconds, tokens
+    texts = {row["custom_id"]: _content((row.get("response") or {}).get("body")) for row in rows}
+    return seconds, tokens, texts
+
+
+def _content(body: Any) -> str:
+    return str(body["choices"][0]["message"]["content"]) if body else ""
 
 
 class Occupancy:
@@ -401,6 +406,15 @@ def tree_cpu(pids: dict[str, int]) -> dict[str, float]:
     }
 
 
+def scheduling_policy(repo: Path) -> str:
+    """The engine's scheduling_policy in the repository's LLM config."""
+    from bench_llm import engine_spec
+
+    from services.inference.vllm_settings import EngineSettings
+
+    return EngineSettings.from_spec(engine_spec(repo)).scheduling_policy
+
+
 def run_batch(args: argparse.Namespace, work: Path) -> None:
     from bench_llm import ENGINE_MODEL, engine_flags
 
@@ -417,9 +431,12 @@ def run_batch(args: argparse.Namespace, work: Path) -> None:
         rows = outputs(info, batch)
     mesh_tokens = sum(r["response"]["body"]["usage"]["completion_tokens"] for r in rows.values())
     flags, _ = engine_flags(repo)
+    if "--scheduling-policy" not in flags:  # the mesh's engine orders job lines by priority
+        flags += ["--scheduling-policy", scheduling_policy(repo)]
     theirs = chat_lines(args.prompts, args.max_tokens, ENGINE_MODEL)
     (work / "vllm").mkdir()
-    vllm_s, vllm_tokens = run_batch_seconds(flags, theirs, work / "vllm")
+    vllm_s, vllm_tokens, vllm_texts = run_batch_seconds(flags, theirs, work / "vllm")
+    same = sum(_content(row["response"]["body"]) == vllm_texts.get(k) for k, row in rows.items())
     mesh_rate, vllm_rate = mesh_tokens / mesh_s, vllm_tokens / max(1.0, vllm_s)
     running, waiting = occupancy.means()
     print(f"job API: the engine ran {running:.1f} requests on average ({waiting:.1f} waiting);"
@@ -436,7 +453,8 @@ def run_batch(args: argparse.Namespace, work: Path) -> None:
         f"  vLLM run_batch              {vllm_tokens:>6} tokens {vllm_s:7.1f} s "
         f"{vllm_rate:7.1f} tok/s (its progress bar: the batch without the engine's start)"
     )
-    print(f"  ratio (job API / run_batch): {mesh_rate / vllm_rate:.2f}x")
+    print(f"  ratio (job API / run_batch): {mesh_rate / vllm_rate:.2f}x; "
+          f"{same}/{len(rows)} answers equal to run_batch's (greedy)")  # fmt: skip
 
 
 MODES = {
