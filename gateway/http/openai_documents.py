@@ -161,9 +161,11 @@ def tokenize_document(response: api.TokenizeResponse) -> dict[str, Any]:
 
 
 def models_document(response: api.ListModelsResponse) -> dict[str, Any]:
-    """The pipelines (ready ensembles) as OpenAI's model list."""
+    """The pipelines (ready ensembles) as OpenAI's model list; a LoRA adapter's
+    names its ``parent``, as vLLM's does."""
     data = [
         {"id": m.name, "object": "model", "created": 0, "owned_by": "meshserve"}
+        | ({"parent": m.parent} if m.parent else {})
         for m in response.models
         if m.state == api.MODEL_STATE_READY and m.backend == "ensemble"
     ]

@@ -34,20 +34,22 @@ SERVING_STATUS_NOT_SERVING: ServingStatus
 SERVING_STATUS_DRAINING: ServingStatus
 
 class Model(_message.Message):
-    __slots__ = ("name", "versions", "backend", "state", "stage", "max_batch_size")
+    __slots__ = ("name", "versions", "backend", "state", "stage", "max_batch_size", "parent")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     name: str
     versions: _containers.RepeatedScalarFieldContainer[str]
     backend: str
     state: ModelState
     stage: str
     max_batch_size: int
-    def __init__(self, name: _Optional[str] = ..., versions: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., stage: _Optional[str] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+    parent: str
+    def __init__(self, name: _Optional[str] = ..., versions: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., stage: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., parent: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ("ready_only",)
