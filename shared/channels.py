@@ -38,9 +38,14 @@ def mesh_tls() -> MeshTls | None:
 
 
 def open_channels(
-    target: str, count: int, max_message_bytes: int, tracer: trace.Tracer
+    target: str, count: int, max_message_bytes: int, tracer: trace.Tracer, *, traced: bool = True
 ) -> list[grpc.aio.Channel]:
-    """``count`` channels to ``target``, each on its own connection (call in a loop)."""
+    """``count`` channels to ``target``, each on its own connection (call in a loop).
+
+    ``traced=False``: without the trace interceptors, for calls that never carry
+    a trace (an intercepted stream routes every message it writes through a
+    queue and a task of grpc's own)."""
+    interceptors = client_interceptors(tracer) if traced else None
     options: list[tuple[str, Any]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -56,9 +61,7 @@ def open_channels(
     tls = mesh_tls()
     if tls is None:
         return [
-            grpc.aio.insecure_channel(
-                target, options=options, interceptors=client_interceptors(tracer)
-            )
+            grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
             for _ in range(count)
         ]
     credentials = tls.channel_credentials()
@@ -67,7 +70,7 @@ def open_channels(
             target,
             credentials,
             options=[*options, *tls.channel_options()],
-            interceptors=client_interceptors(tracer),
+            interceptors=interceptors,
         )
         for _ in range(count)
     ]

@@ -54,6 +54,13 @@ EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
 """Request parameter: also send a final response that carries no outputs."""
 STATUS_CODE = "meshserve_status_code"
 """Parameter of an in-stream error response: the gRPC status code, as an integer."""
+FORWARD_HEADER = "x-meshserve-forward"
+"""ModelStreamInfer metadata of a hop that forwards unary requests on one stream
+(the orchestrator): each request is answered exactly as ModelInfer answers it,
+with no final-response flag, and the server says it does so by sending the
+header back in its initial metadata (a server that does not is spoken to with
+ModelInfer instead)."""
+FORWARD_UNARY = "unary"
 
 
 def to_domain(request: pb.ModelInferRequest) -> InferRequest:
@@ -160,6 +167,14 @@ async def until_final(
             return
 
 
+def _forwarded_stream(context: grpc.aio.ServicerContext[Any, Any]) -> bool:
+    """True for a stream whose caller forwards unary requests on it (FORWARD_HEADER)."""
+    return any(
+        key == FORWARD_HEADER and value == FORWARD_UNARY
+        for key, value in context.invocation_metadata() or ()
+    )
+
+
 def _duration(target: pb.StatisticDuration, source: Duration) -> None:
     target.count = source.count
     target.ns = source.ns
@@ -228,13 +243,20 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
         # request still running, which stops the generation behind a decoupled model.
         writing = asyncio.Lock()  # one message at a time on the call
         tasks: set[asyncio.Task[None]] = set()
+        forwarded = _forwarded_stream(context)
+        if forwarded:
+            await context.send_initial_metadata(((FORWARD_HEADER, FORWARD_UNARY),))
 
         async def send(message: pb.ModelStreamInferResponse) -> None:
             async with writing:
                 await context.write(message)
 
         async def one(request: pb.ModelInferRequest) -> None:
-            answers = self.stream_responses(request, context)
+            answers = (
+                self._unary_answer(request, context)
+                if forwarded
+                else self.stream_responses(request, context)
+            )
             try:
                 async for answer in answers:
                     await send(pb.ModelStreamInferResponse(infer_response=answer))
@@ -272,6 +294,14 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelInferResponse:
         """Each v2 server infers its own way; ``stream_responses`` answers with it."""
         raise Unimplemented("ModelInfer is not served here")
+
+    async def _unary_answer(
+        self,
+        request: pb.ModelInferRequest,
+        context: grpc.aio.ServicerContext[pb.ModelInferRequest, pb.ModelStreamInferResponse],
+    ) -> AsyncIterator[pb.ModelInferResponse]:
+        """ModelInfer's answer to a request forwarded on a stream (FORWARD_HEADER)."""
+        yield await self.ModelInfer(request, context)
 
     async def stream_responses(
         self,

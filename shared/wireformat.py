@@ -117,3 +117,10 @@ def string_field(number: int, value: str) -> bytes:
 def with_id(data: bytes, request_id: str) -> bytes:
     """A serialised ModelInferRequest or ModelInferResponse with its id set."""
     return data + string_field(_ID, request_id)
+
+
+def stream_answer(data: bytes) -> tuple[str, bytes]:
+    """A serialised ModelStreamInferResponse as its ``error_message`` (empty when
+    none) and its ``infer_response``, still serialised."""
+    found = _strings(data, (1, 2))
+    return found.get(1, b"").decode(errors="replace"), found.get(2, b"")

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from inference import grpc_service_pb2 as pb
 from inference import model_config_pb2 as mc
+from services.orchestrator.adapters import AdapterPipelines
 from services.orchestrator.ensemble import EnsemblePlan
 from services.orchestrator.ensembles import ENSEMBLE_VERSION, EnsembleRegistry
 from services.orchestrator.route_table import SHADOW_TIMEOUT_S, RouteTable
@@ -76,6 +77,8 @@ class Orchestrator:
         self.runner = EnsembleRunner(router, ensembles, self._infer, tracer)
         self.routes = routes or RouteTable({}, CollectorRegistry())
         self._decoupled: dict[str, bool] = {}
+        self.adapters = AdapterPipelines(ensembles, router.model_config)
+        """LoRA adapters' pipelines, derived when a stream first names one (adapters.py)."""
 
     def plan(self, name: str, version: str = "") -> EnsemblePlan | None:
         """The ensemble ``name`` (None: a stage's model); a version it does not
@@ -98,10 +101,16 @@ class Orchestrator:
         route's and not an ensemble's, which run here (``infer``)."""
         return self.routes.get(name) is None and self.ensembles.get(name) is None
 
-    async def forward(self, model: str, request: bytes, timeout_s: float | None = None) -> bytes:
+    async def forward(
+        self, model: str, request: bytes, request_id: str, timeout_s: float | None = None
+    ) -> bytes:
         """A serialised ModelInferRequest for a stage model (``forwards``), answered
-        by the stage hosting it; neither message is decoded here."""
-        return await self.router.forward(model, request, timeout_s)
+        by the stage hosting it; neither message is decoded here. Without a
+        deadline and outside a trace it travels as a message on an open stream
+        (services/orchestrator/forward_stream.py)."""
+        untraced = not trace.get_current_span().get_span_context().is_valid
+        on_stream = request_id if timeout_s is None and untraced else None
+        return await self.router.forward(model, request, timeout_s, on_stream)
 
     async def _infer(
         self, request: pb.ModelInferRequest, deadline: Deadline
@@ -136,6 +145,7 @@ class Orchestrator:
         model's as they come, any other model's one (flagged final). Closing it
         early stops the work upstream. A route's answers name its target."""
         deadline = Deadline.after(timeout_s)
+        await self.adapters.ensure(request.model_name)
         route = self.routes.get(request.model_name)
         responses = (
             self._stream(request, deadline)
@@ -375,6 +385,7 @@ class Orchestrator:
         if not targets:
             where = ", ".join(f"'{stage}'" for stage in sorted(stages))
             raise Unavailable(f"failed to load '{name}': stage {where} has no ready replica")
+        self.adapters.forget(name)  # an adapter's pipeline is derived again when asked for
         request = pb.RepositoryModelLoadRequest(model_name=name)
         for key, value in parameters.items():
             request.parameters[key].CopyFrom(value)
@@ -413,6 +424,7 @@ class Orchestrator:
         if self.routes.get(name) is not None:
             self.routes.delete(name)
             return
+        self.adapters.forget(name)  # an adapter: its derived pipeline goes, the stage unloads it
         if name in self.ensembles.plans:
             self.ensembles.unload(name)
             return

@@ -40,6 +40,7 @@ from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from inference import model_config_pb2 as mc
 from services.orchestrator.discovery import Resolver, is_address, split_target
+from services.orchestrator.forward_stream import ForwardStream, NotForwarding
 from services.orchestrator.stage_stream import StageStream
 from shared.channels import open_channels
 from shared.errors import Cancelled, InvalidArgument, MeshError, NotFound, Unavailable
@@ -93,6 +94,13 @@ class Endpoint:
     channels: list[grpc.aio.Channel]
     raw_calls: list[RawCall] = field(default_factory=list)
     """ModelInfer without (de)serialisers, one per channel: a request forwarded as it is."""
+    plain_channels: list[grpc.aio.Channel] = field(default_factory=list)
+    """Channels without the trace interceptors, for the streams of forwarded requests
+    (which carry no trace); they connect on first use."""
+    forward_streams: dict[int, ForwardStream] = field(default_factory=dict)
+    """Channel index -> its stream carrying forwarded requests (forward_stream.py)."""
+    forwards_on_streams: bool = True
+    """False once the replica turned out not to answer forwarded requests on a stream."""
     models: set[str] = field(default_factory=set)
     """Models READY on this replica (calls go only to these)."""
     listed: set[str] = field(default_factory=set)
@@ -127,6 +135,15 @@ class Endpoint:
         """ModelInfer on the next channel, on serialised messages both ways."""
         return self.raw_calls[next(self._next)]
 
+    def forward_stream(self) -> ForwardStream:
+        """The next channel's stream for forwarded requests (a new one when it
+        stopped taking them)."""
+        index = next(self._next)
+        stream = self.forward_streams.get(index)
+        if stream is None or not stream.open:
+            stream = self.forward_streams[index] = ForwardStream(self.plain_channels[index])
+        return stream
+
     def stream(self) -> StageStream:
         """A ModelStreamInfer call: a spare when one is still open, else a new one.
         It counts as in flight until released."""
@@ -149,12 +166,16 @@ class Endpoint:
             self.spares.append(StageStream(self.stub()))
 
     def close_spares(self) -> None:
-        """Cancel every spare (the replica went away, or the router stops)."""
+        """Cancel every spare and forwarding stream (the replica went away, or the
+        router stops)."""
         if self._refill is not None:
             self._refill.cancel()
             self._refill = None
         while self.spares:
             self.spares.popleft().cancel()
+        for stream in self.forward_streams.values():
+            stream.cancel()
+        self.forward_streams.clear()
 
     def _released(self) -> None:
         self.in_flight -= 1
@@ -187,7 +208,8 @@ def open_endpoint(
     stubs = [cast("Stub", pb_grpc.GRPCInferenceServiceStub(c)) for c in opened]
     # No serialisers: the bytes go out and come back as they are.
     raw_calls = [c.unary_unary(INFER_METHOD) for c in opened]
-    endpoint = Endpoint(address, stubs, opened, raw_calls)
+    plain = open_channels(address.target, channels, max_message_bytes, tracer, traced=False)
+    endpoint = Endpoint(address, stubs, opened, raw_calls, plain)
     endpoint._next = itertools.cycle(range(channels))
     return endpoint
 
@@ -247,7 +269,7 @@ class StageRouter:
         for endpoint in self.endpoints:
             endpoint.ready = False
             endpoint.close_spares()
-            for channel in endpoint.channels:
+            for channel in [*endpoint.channels, *endpoint.plain_channels]:
                 await channel.close()
 
     def _open(self, address: StageAddress, origin: StageAddress | None) -> Endpoint:
@@ -307,7 +329,7 @@ class StageRouter:
             await asyncio.sleep(0.05)
         endpoint.abandon()
         await asyncio.sleep(0)  # the cut calls leave the channels first
-        for channel in endpoint.channels:
+        for channel in [*endpoint.channels, *endpoint.plain_channels]:
             await channel.close()
 
     async def _resolve_loop(self) -> None:
@@ -436,13 +458,24 @@ class StageRouter:
         call in flight; the caller's own going away is asyncio's CancelledError)."""
         return await self._call(model, lambda endpoint: invoke(endpoint.stub()), retry)
 
-    async def forward(self, model: str, request: bytes, timeout_s: float | None) -> bytes:
+    async def forward(
+        self, model: str, request: bytes, timeout_s: float | None, on_stream: str | None = None
+    ) -> bytes:
         """A serialised ModelInferRequest answered by a replica of ``model``, the
-        answer serialised as the replica sent it (retried as ``call`` is)."""
-        answer: bytes = await self._call(
-            model, lambda endpoint: endpoint.raw_infer()(request, timeout=timeout_s), True
-        )
-        return answer
+        answer serialised as the replica sent it (retried as ``call`` is). With
+        ``on_stream`` (the request's id) it travels on a stream of forwarded
+        requests where the replica has them (forward_stream.py), else as a ModelInfer."""
+
+        async def invoke(endpoint: Endpoint) -> bytes:
+            if on_stream is not None and endpoint.forwards_on_streams:
+                try:
+                    return await endpoint.forward_stream().infer(request, on_stream)
+                except NotForwarding:
+                    endpoint.forwards_on_streams = False
+            answer: bytes = await endpoint.raw_infer()(request, timeout=timeout_s)
+            return answer
+
+        return await self._call(model, invoke, True)
 
     async def _call(self, model: str, invoke: Callable[[Endpoint], Awaitable[T]], retry: bool) -> T:
         tried: set[int] = set()

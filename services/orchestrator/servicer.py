@@ -90,14 +90,16 @@ class OrchestratorServicer(BaseServicer):
         """ModelInfer on the serialised request: forwarded to the stage as it is
         when its model is a stage's, else decoded and answered by ``ModelInfer``."""
         try:
-            model = infer_header(request).model_name
+            header = infer_header(request)
         except WireError:
-            model = None  # decoded below, which names what is wrong
-        if model is not None and self.core.forwards(model):
+            header = None  # decoded below, which names what is wrong
+        if header is not None and self.core.forwards(header.model_name):
             span = trace.get_current_span()
             if span.is_recording():
-                span.set_attribute("meshserve.model", model)
-            return await self.core.forward(model, request, timeout_of(context))
+                span.set_attribute("meshserve.model", header.model_name)
+            return await self.core.forward(
+                header.model_name, request, header.id, timeout_of(context)
+            )
         try:
             decoded = pb.ModelInferRequest.FromString(request)
         except DecodeError:

@@ -157,8 +157,33 @@ def test_a_stage_model_is_forwarded_with_its_raw_tensors_untouched(repo: Path) -
         outputs = decode_outputs(answer)
         np.testing.assert_array_equal(outputs["OUTPUT0"], np.arange(8).reshape(2, 4) + 1)
         np.testing.assert_array_equal(outputs["OUTPUT1"], np.arange(8).reshape(2, 4) - 1)
+        await requests_without_a_deadline_share_a_stream(mesh)
 
     in_mesh(repo, scenario)
+
+
+async def requests_without_a_deadline_share_a_stream(mesh: Mesh) -> None:
+    """Forwarded as messages on an open stream (no deadline, no trace), each request
+    still gets its own answer under its own id, as ModelInfer gives it, and a
+    stage's error keeps its status and words."""
+    requests = []
+    for index in range(12):
+        request = add_sub_request()
+        request.raw_input_contents[0] = np.full((2, 4), index, np.float32).tobytes()
+        request.id = f"caller-{index}" if index % 3 else ""
+        requests.append(request)
+    answers = await asyncio.gather(*(mesh.v2.ModelInfer(r) for r in requests))
+    for index, (request, answer) in enumerate(zip(requests, answers, strict=True)):
+        assert answer.id == request.id
+        assert decode_outputs(answer)["OUTPUT0"].tolist() == [[index + 1.0] * 4] * 2
+        assert FINAL_RESPONSE not in answer.parameters
+    (endpoint,) = mesh.core.router.endpoints
+    assert endpoint.forward_streams, "no request travelled on a stream"
+    bad = add_sub_request()
+    bad.inputs[0].shape[:] = [2, 3]
+    error = await status_of(mesh.v2.ModelInfer(bad))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "INPUT0" in (error.details() or "")
 
 
 def test_an_ensemble_runs_its_graph_through_both_front_doors(repo: Path) -> None:

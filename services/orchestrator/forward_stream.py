@@ -1,0 +1,152 @@
+"""Forwarded ModelInfer requests carried as messages on a few open streams.
+
+A new unary RPC costs a grpc.aio client and server several times what one more
+message on an open stream does (docs/performance.md), and a stage model's
+request passes the orchestrator untouched anyway. So requests without a
+deadline and outside any trace are written, still serialised, on a
+ModelStreamInfer call per channel that says it forwards (``FORWARD_HEADER``):
+the stage answers each as ModelInfer would. A request with a deadline keeps
+its own RPC (the deadline and a cancel then reach the stage), and so does a
+traced one (the stage's span is the request's own).
+
+Answers come back in any order: each request carries an id of the stream's own
+(set on the wire, ``shared.wireformat``), and its answer is found by it and
+given the caller's id back. A stream takes new requests for a while only
+(``STREAM_REQUESTS``, ``STREAM_SECONDS``) and closes once it has none in flight,
+so a stage that drains is not held open by it: its drain gate counts an open
+stream as work in flight, and it refuses the stream that replaces it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import grpc
+
+from inference import grpc_service_pb2 as pb
+from shared.errors import MeshError, Unavailable
+from shared.rpc import failure
+from shared.servicer import FORWARD_HEADER, FORWARD_UNARY, stream_failure
+from shared.wireformat import WireError, infer_header, stream_answer, with_id
+
+STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
+STREAM_REQUESTS = 256
+"""Requests a stream takes before a new one replaces it."""
+STREAM_SECONDS = 1.0
+"""How long a stream takes new requests before a new one replaces it."""
+
+
+class NotForwarding(Exception):
+    """The server does not answer forwarded requests on a stream (not a meshserve stage)."""
+
+
+class ForwardStream:
+    """One ModelStreamInfer call carrying forwarded requests and their answers."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        # No (de)serialisers: requests go out and answers come in as bytes.
+        method = channel.stream_stream(STREAM_METHOD)
+        self._call = method(metadata=((FORWARD_HEADER, FORWARD_UNARY),))
+        loop = asyncio.get_running_loop()
+        self._closes_at = loop.time() + STREAM_SECONDS
+        self._pending: dict[str, asyncio.Future[bytes]] = {}
+        self._tags = itertools.count()
+        self._sent = 0
+        self._writing = asyncio.Lock()  # one message at a time on the call
+        self._accepted: asyncio.Future[bool] = loop.create_future()
+        self._closing = False
+        self._closer: asyncio.Task[None] | None = None
+        self._reader = asyncio.create_task(self._read(), name="forward-stream")
+
+    @property
+    def open(self) -> bool:
+        """True while the stream takes new requests."""
+        if self._closing or self._reader.done():
+            return False
+        if self._sent >= STREAM_REQUESTS or asyncio.get_running_loop().time() > self._closes_at:
+            self._closing = True
+            if not self._pending:
+                self._finish()
+            return False
+        return True
+
+    async def infer(self, request: bytes, caller_id: str) -> bytes:
+        """The stage's answer to a serialised ModelInferRequest, its id the caller's;
+        the stage's error as its MeshError, Unavailable if the stream broke, and
+        NotForwarding when the server does not forward (nothing was sent)."""
+        if not await self._accepted:
+            raise NotForwarding
+        tag = f"~{next(self._tags)}"
+        answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._pending[tag] = answer
+        self._sent += 1
+        try:
+            async with self._writing:
+                await self._call.write(with_id(request, tag))
+            return with_id(await answer, caller_id)
+        except grpc.aio.AioRpcError as exc:
+            raise failure(exc) from exc
+        except (asyncio.InvalidStateError, grpc.aio.UsageError):
+            raise Unavailable("the stage stream closed with the request unsent") from None
+        finally:
+            del self._pending[tag]
+            if self._closing and not self._pending:
+                self._finish()
+
+    def cancel(self) -> None:
+        """End the stream now (its replica went away); requests on it fail Unavailable."""
+        self._closing = True
+        self._call.cancel()
+
+    def _finish(self) -> None:
+        # Closed, not cancelled: a cancel costs the stage a logged traceback.
+        self._closing = True
+        if self._closer is None:
+            self._closer = asyncio.create_task(self._done_writing(), name="forward-stream-close")
+
+    async def _done_writing(self) -> None:
+        try:
+            async with self._writing:
+                await self._call.done_writing()
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            pass  # it ended already
+
+    async def _read(self) -> None:
+        ended: MeshError = Unavailable("the stage ended the forwarding stream")
+        try:
+            metadata = await self._call.initial_metadata()
+            accepted = any(k == FORWARD_HEADER for k, _ in metadata or ())
+            self._accepted.set_result(accepted)
+            if not accepted:
+                self._call.cancel()
+                return
+            async for message in self._call:
+                self._answer(message)
+        except grpc.aio.AioRpcError as exc:
+            ended = failure(exc)
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED and not self._accepted.done():
+                self._accepted.set_result(False)  # a v2 server without streams
+        except asyncio.CancelledError:
+            ended = Unavailable("the stage stream was cancelled")
+            raise
+        finally:
+            if not self._accepted.done():
+                self._accepted.set_exception(ended)
+            for answer in self._pending.values():
+                if not answer.done():
+                    answer.set_exception(ended)
+
+    def _answer(self, message: bytes) -> None:
+        try:
+            error, answer = stream_answer(message)
+            tag = infer_header(answer).id
+        except WireError:
+            return  # not ours to place; its request fails when the stream ends
+        waiting = self._pending.get(tag)
+        if waiting is None or waiting.done():
+            return
+        if error:
+            waiting.set_exception(stream_failure(pb.ModelStreamInferResponse.FromString(message)))
+        else:
+            waiting.set_result(answer)
