@@ -73,7 +73,8 @@ def repository(folder: Path, prepared: Path, names: Sequence[str], levels: bool)
     folder.mkdir(parents=True)
     for name in names:
         source = (prepared / name).resolve()
-        config = (source / "config.pbtxt").read_text()
+        written = source / "config.pbtxt"
+        config = written.read_text() if written.exists() else ""
         if not levels or name == "image_classifier" or "priority_levels" in config:
             (folder / name).symlink_to(source, target_is_directory=True)
             continue
@@ -406,6 +407,25 @@ def tree_cpu(pids: dict[str, int]) -> dict[str, float]:
     }
 
 
+def uncapped(model: Path) -> None:
+    """The engine's config without max_generation_s, as run_batch has none: on a busy
+    host a 64-token line among 16 may take minutes, and a cap would cut it."""
+    from models.smollm2 import MODEL_CONFIG
+
+    written = model / "config.pbtxt"  # the code's own, where a rebuild left none
+    config = written.read_text() if written.exists() else MODEL_CONFIG
+    config = re.sub(
+        r'(key: "max_generation_s"\s*value: \{ string_value: )"[^"]*"', r'\1"0"', config
+    )
+    source = model.resolve()
+    model.unlink()
+    model.mkdir()
+    for item in source.iterdir():
+        if item.name != "config.pbtxt":
+            (model / item.name).symlink_to(item)
+    (model / "config.pbtxt").write_text(config)
+
+
 def scheduling_policy(repo: Path) -> str:
     """The engine's scheduling_policy in the repository's LLM config."""
     from bench_llm import engine_spec
@@ -419,6 +439,7 @@ def run_batch(args: argparse.Namespace, work: Path) -> None:
     from bench_llm import ENGINE_MODEL, engine_flags
 
     repo = repository(work / "repo", args.repository, LLM_MODELS, False)
+    uncapped(repo / "smollm2")
     lines = chat_lines(args.prompts, args.max_tokens, "llm")
     settings = {"concurrency": args.concurrency}
     with mesh(repo, mesh_yaml(work, settings, workers=1), work / "mesh.log") as info:
