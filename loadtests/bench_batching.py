@@ -19,7 +19,8 @@ rest of the machine used ("others") and the hypervisor's steal time
 (/proc/stat) during the window. The ratios at the end are the two targets:
 
 - p50 at 1 in flight, adaptive / none: at most 1.3 (batching costs a lone request
-  next to nothing);
+  next to nothing); measured twice: in the rounds above, and with the variants
+  taking turns request by request (a neighbour's burst then slows them alike);
 - req/s at 16 in flight, adaptive / none: at least 1.5 (batches still form).
 """
 
@@ -29,6 +30,7 @@ import argparse
 import asyncio
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,6 +173,40 @@ async def load_once(
         await target.close()
 
 
+async def paired_lone(address: str, row: np.ndarray, seconds: float) -> dict[str, np.ndarray]:
+    """One request in flight, the variants taking turns request by request, so a
+    neighbour's burst slows them alike; each variant's latencies in ms."""
+    targets = {v: GrpcTarget(address, INFER_METHOD, payload(v, row), 1) for v in VARIANTS}
+    calls = {variant: target.calls()[0] for variant, target in targets.items()}
+    latencies: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    try:
+        for call in calls.values():  # open each connection before timing
+            await call()
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            for variant, call in calls.items():
+                started = time.perf_counter()
+                await call()
+                latencies[variant].append((time.perf_counter() - started) * 1000)
+    finally:
+        await asyncio.gather(*(target.close() for target in targets.values()))
+    return {variant: np.asarray(values) for variant, values in latencies.items()}
+
+
+def paired_lines(paired: dict[str, np.ndarray]) -> list[str]:
+    """p50 of each variant taking turns at 1 in flight, and the ratios to no batching."""
+    base = float(np.percentile(paired["none"], 50))
+    lines = []
+    for policy in ("adaptive", "fixed"):
+        ours = float(np.percentile(paired[policy], 50))
+        verdict = _verdict(ours / base <= LATENCY_TARGET) if policy == "adaptive" else ""
+        lines.append(
+            f"p50 @1 taking turns ({len(paired[policy])} each), {policy} / none: "
+            f"{ours:.2f} / {base:.2f} ms = {ours / base:.2f}  (target <= {LATENCY_TARGET}){verdict}"
+        )
+    return lines
+
+
 async def load_all(address: str, pid: int, row: np.ndarray, settings: Settings) -> list[LoadResult]:
     """Every variant at every level, rounds interleaved; prints each run as it ends."""
     runs = []
@@ -277,13 +313,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         with inference_service(Path(tmp)) as service:
             asyncio.run(check_answers(service.address, row, expected))
             runs = asyncio.run(load_all(service.address, service.proc.pid, row, settings))
+            paired = asyncio.run(paired_lone(service.address, row, settings.load.seconds * 2))
     results = best_runs(runs)
     print()
     print(table(results))
     print("(the fastest of the rounds; others / steal: cores used by other processes /")
     print(" taken by the hypervisor during the window)")
     print()
-    print("\n".join(ratio_lines(results)))
+    print("\n".join([*ratio_lines(results), *paired_lines(paired)]))
     print(f"load average at end {load_average()}")
     return 0
 
