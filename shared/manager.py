@@ -95,13 +95,17 @@ class ModelManager:
         fails is left UNAVAILABLE with its error and the others still load."""
         if names is None:
             names = [name for name in self.repository.names() if self.hosts_name(name)]
-        for name in names:
-            try:
-                await self.load(name)
-            except NotFound as exc:
-                log.error("%s", exc.message)  # not in the repository: no model to mark
-            except MeshError:
-                continue  # recorded, logged and counted by load()
+        # All at once: a slow load (an LLM engine) holds no other model back, and
+        # each serves as soon as it is in (the index says so, model by model).
+        await asyncio.gather(*(self._load_at_start(name) for name in names))
+
+    async def _load_at_start(self, name: str) -> None:
+        try:
+            await self.load(name)
+        except NotFound as exc:
+            log.error("%s", exc.message)  # not in the repository: no model to mark
+        except MeshError:
+            pass  # recorded, logged and counted by load()
 
     async def load(self, name: str, config_override: str | None = None) -> None:
         """Load or reload ``name``: new versions become ready, then replace the old.
