@@ -39,7 +39,8 @@ def round_line(result: LoadResult) -> str:
     return (
         f"{result.label:<24} @{result.in_flight:<2} {result.rate:7.1f} req/s  "
         f"p50 {result.percentile(50):6.2f} ms  p99 {result.percentile(99):6.2f} ms  "
-        f"server {server_cpu_ms(result):5.2f} ms/req  steal {steal_cores(result):.2f} cores"
+        f"server {server_cpu_ms(result):5.2f} ms/req  steal {steal_cores(result):.2f} cores  "
+        f"others {result.usage.others:.1f} cores"
         + (f"  errors {result.errors}" if result.errors else "")
     )
 
@@ -60,6 +61,8 @@ class Summary:
     """CPU ms per request by process (median over rounds)."""
     client_ms: float
     errors: int
+    others: float
+    """Cores the rest of the machine (neighbours) kept busy, median over rounds."""
 
     @property
     def rate(self) -> float:
@@ -103,6 +106,7 @@ def summarise(results: Sequence[LoadResult]) -> list[Summary]:
                 by_process,
                 statistics.median(r.client_cpu_ms() for r in runs),
                 sum(r.errors for r in runs),
+                statistics.median(r.usage.others for r in runs),
             )
         )
     return summaries
@@ -141,6 +145,7 @@ def table(summaries: Sequence[Summary]) -> str:
             s.cpu_ms,
             s.client_ms,
             " ".join(f"{x:.2f}" for x in s.steals),
+            s.others,
             s.errors,
             _processes(s),
         ]
@@ -148,7 +153,7 @@ def table(summaries: Sequence[Summary]) -> str:
     ]
     note = (
         f"(req/s quiet: median of rounds with steal <= {QUIET_STEAL} cores, '-' when none; "
-        "steal in cores; CPU in ms per request)"
+        "steal in cores; others: cores other processes used meanwhile; CPU in ms per request)"
     )
     return format_table(headers, rows) + "\n" + note
 

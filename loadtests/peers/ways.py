@@ -147,14 +147,10 @@ def all_ways() -> list[Way]:
             "Envoy meshserve.v1 JSON",
             _post(f"/api/v1/models/{MODEL}/infer", rest_json(), _JSON),
         ),
-        Way("kserve", "KServe gRPC", _grpc(lambda r: r.grpc, MODEL), lambda r: (r.grpc, "grpc")),
+        # perf_analyzer cannot load KServe: its servers answer no ModelConfig.
+        Way("kserve", "KServe gRPC", _grpc(lambda r: r.grpc, MODEL)),
         Way("kserve", "KServe REST JSON", _post(infer, rest_json(), _JSON)),
-        Way(
-            "kserve",
-            "KServe REST binary",
-            _post(infer, binary, binary_headers),
-            lambda r: (r.http, "http"),
-        ),
+        Way("kserve", "KServe REST binary", _post(infer, binary, binary_headers)),
         Way(
             "torchserve", "TorchServe REST b8", _post(f"/predictions/{MODEL}", plain_json(), _JSON)
         ),
