@@ -93,10 +93,13 @@ class OrchestratorServicer(BaseServicer):
             header = infer_header(request)
         except WireError:
             header = None  # decoded below, which names what is wrong
-        if header is not None and self.core.forwards(header.model_name):
+        if header is not None:
+            # The tracing interceptor saw bytes: name the model on the span here
+            # (an ensemble's trace is found by its model too).
             span = trace.get_current_span()
             if span.is_recording():
                 span.set_attribute("meshserve.model", header.model_name)
+        if header is not None and self.core.forwards(header.model_name):
             return await self.core.forward(
                 header.model_name, request, header.id, timeout_of(context)
             )

@@ -61,6 +61,7 @@ def test_one_trace_spans_every_hop(mesh: ServiceProcess, receiver: OtlpReceiver)
     (root,) = [s for s in spans if s.service == "orchestrator" and s.kind == 2]  # SERVER
     assert root.parent_id == CLIENT_SPAN
     assert root.name == "inference.GRPCInferenceService/ModelInfer"
+    assert root.attributes["meshserve.model"] == "diamond"  # how a trace is found by model
 
     steps = [s for s in spans if s.name.startswith("ensemble step")]
     assert sorted(s.attributes["meshserve.model"] for s in steps) == [
