@@ -528,11 +528,13 @@ class StageRouter:
 
 
 async def _starting(endpoint: Endpoint) -> bool:
-    """True while the replica's health is NOT_SERVING: it loads its models at start
-    (then SERVING) or drains. A stage without the health service is never starting."""
+    """True while the replica's health is not SERVING: it loads its models at start
+    (then SERVING) or drains. Just after it bound its port, its health may not know
+    the service yet (NOT_FOUND): starting too. A stage without the health service
+    (UNIMPLEMENTED) is never starting."""
     stub = health_pb2_grpc.HealthStub(endpoint.channels[0])
     try:
         answer = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-    except grpc.aio.AioRpcError:
-        return False
+    except grpc.aio.AioRpcError as exc:
+        return bool(exc.code() != grpc.StatusCode.UNIMPLEMENTED)
     return bool(answer.status != health_pb2.HealthCheckResponse.SERVING)
