@@ -160,6 +160,7 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):
                 state=_STATES.get(states[name], api.MODEL_STATE_UNSPECIFIED),
             )
             if states[name] == "READY":
+                await self.core.adapters.ensure(name)  # an adapter gets its pipeline
                 await self._describe(model, timeout_of(context))
         return response
 
@@ -171,6 +172,7 @@ class MeshApiServicer(api_grpc.MeshServiceServicer):
         model.backend = config.platform or config.backend
         model.max_batch_size = config.max_batch_size
         model.stage = ",".join(self.core.stages_of(model.name))
+        model.parent = self.core.adapters.parents.get(model.name, "")
 
     async def GetModel(
         self,
