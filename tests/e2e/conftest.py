@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.e2e.small_mesh import OtlpRelay, start_small_mesh
 from tests.harness import ROOT, RUNNING, log_tail, new_log
 from tests.otlp import OtlpReceiver
 
@@ -88,6 +89,26 @@ def mesh(
     config = tmp_path_factory.mktemp("mesh") / "mesh.yaml"
     config.write_text(yaml.safe_dump(document))
     proc, info = start_mesh(prepared_repository, config, [])
+    yield info
+    stop_mesh(proc)
+
+
+@pytest.fixture(scope="session")
+def otlp_relay(otlp: OtlpReceiver) -> Iterator[OtlpRelay]:
+    """Where the small mesh's spans go: on to ``otlp``, and to any collector a test adds."""
+    relay = OtlpRelay(otlp.endpoint)
+    yield relay
+    relay.stop()
+
+
+@pytest.fixture(scope="session")
+def small_mesh(
+    prepared_repository: Path, otlp_relay: OtlpRelay, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    """The mesh without vLLM (tests/e2e/small_mesh.py), started once for the tests
+    that need every service but not the engine; its ready info."""
+    folder = tmp_path_factory.mktemp("small")
+    proc, info = start_small_mesh(prepared_repository, folder, otlp_relay.endpoint)
     yield info
     stop_mesh(proc)
 

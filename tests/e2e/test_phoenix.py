@@ -1,9 +1,10 @@
 """Arize Phoenix as the mesh's OTLP collector: one trace per request, with the
 spans of every service on its path, read back through Phoenix's REST API.
 
-The mesh's ``otlp_endpoint`` points at Phoenix's OTLP/gRPC port, as it would
-at Jaeger, Tempo or an OpenTelemetry Collector. The mesh is a small one of its
-own (tests/e2e/small_mesh.py) with the whole chat path (Envoy, HTTP adapter,
+Every span batch the mesh's services export reaches Phoenix's OTLP/gRPC port
+as sent (through the session's relay, tests/e2e/small_mesh.py), as it would
+reach Jaeger, Tempo or an OpenTelemetry Collector. The mesh is the session's
+small one (tests/e2e/small_mesh.py) with the whole chat path (Envoy, HTTP adapter,
 orchestrator, tokenizer, engine, detokenizer) but a stand-in engine in place of
 vLLM, whose start-up would cost more than the rest of this test; the image
 path is the real MobileNetV2.
@@ -20,7 +21,6 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -33,8 +33,8 @@ from inference import grpc_service_pb2_grpc as pb_grpc
 from models.sources import sample_image
 from shared.tensors import decode_outputs, encode_inputs
 from tests.conftest import cache_dir
-from tests.e2e.conftest import stop_mesh, streamed_chat
-from tests.e2e.small_mesh import start_small_mesh
+from tests.e2e.conftest import streamed_chat
+from tests.e2e.small_mesh import OtlpRelay
 from tests.harness import RUNNING, new_log
 
 pytestmark = pytest.mark.e2e
@@ -100,16 +100,15 @@ def wait_ready(url: str, timeout_s: float) -> None:
 
 @pytest.fixture(scope="module")
 def traced_mesh(
-    phoenix: tuple[str, str], prepared_repository: Path, tmp_path_factory: pytest.TempPathFactory
+    phoenix: tuple[str, str], small_mesh: dict[str, Any], otlp_relay: OtlpRelay
 ) -> Iterator[dict[str, Any]]:
-    """The chat and image paths, every service exporting its spans to Phoenix."""
-    folder = tmp_path_factory.mktemp("phoenix-mesh")
-    proc, info = start_small_mesh(prepared_repository, folder, phoenix[1])
+    """The chat and image paths, every service's span batches reaching Phoenix."""
+    otlp_relay.add(phoenix[1])
     try:
         wait_ready(phoenix[0], 180)
-        yield info
+        yield small_mesh
     finally:
-        stop_mesh(proc)
+        otlp_relay.remove(phoenix[1])
 
 
 def phoenix_spans(url: str) -> list[dict[str, Any]]:

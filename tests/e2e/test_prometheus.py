@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -40,8 +41,7 @@ from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from models.sources import sample_image
 from shared.tensors import encode_inputs
-from tests.e2e.conftest import stop_mesh, streamed_chat
-from tests.e2e.small_mesh import start_small_mesh
+from tests.e2e.conftest import streamed_chat
 from tests.harness import RUNNING, log_tail, new_log
 from tests.otlp import OtlpReceiver
 
@@ -187,16 +187,8 @@ def exemplar_trace_ids(base: str, metric: str, model: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def small(
-    prepared_repository: Path, otlp: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, Any]]:
-    proc, info = start_small_mesh(
-        prepared_repository, tmp_path_factory.mktemp("small"), otlp.endpoint
-    )
-    try:
-        yield info
-    finally:
-        stop_mesh(proc)
+def small(small_mesh: dict[str, Any]) -> dict[str, Any]:
+    return small_mesh
 
 
 @pytest.fixture(scope="module")
@@ -216,12 +208,30 @@ def test_every_process_of_the_mesh_is_a_target_and_up(loaded: str) -> None:
         return ({t["labels"]["job"] for t in targets} - down) & up
 
     stages = {"orchestrator", "inference", "tokenizer", "preprocess", "postprocess"}
-    wanted = stages | {"supervisor", "http_adapter"}
+    wanted = stages | {"supervisor", "http_adapter", "envoy"}
     targets = api(loaded, "targets")["activeTargets"]
     assert wanted <= {t["labels"]["job"] for t in targets}
     # A scrape may time out on a busy machine (its timeout is the 1 s interval): retry.
     every = {t["labels"]["job"] for t in targets}
     until(lambda: jobs_up() == every, 20, f"not every target up: {targets}")
+
+
+def test_envoy_shows_its_statistics_and_nothing_else_of_its_admin(
+    loaded: str, small: dict[str, Any]
+) -> None:
+    """Envoy's own counters reach Prometheus through its metrics listener, which
+    passes only reads of the statistics to the admin interface."""
+    requests = 'envoy_http_downstream_rq_total{envoy_http_conn_manager_prefix="edge"}'
+    until(lambda: api(loaded, "query", query=requests)["result"], 20, "no Envoy request count")
+    port = small["processes"]["envoy"]["metrics_port"]
+    for method, path in (("POST", "/quitquitquit"), ("GET", "/config_dump"), ("POST", "/metrics")):
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 404, (method, path)
+    assert small["processes"]["envoy"]["pid"] in {p["pid"] for p in small["processes"].values()}
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        assert b"envoy_server_live" in response.read()
 
 
 def test_every_dashboard_query_returns_data(loaded: str) -> None:
