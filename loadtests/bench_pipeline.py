@@ -61,6 +61,7 @@ from common import (
     DEFAULT_REPOSITORY,
     INFER_METHOD,
     ROOT,
+    Call,
     CpuUsage,
     GrpcTarget,
     LoadResult,
@@ -103,6 +104,8 @@ INPUTS = {"image_classifier": "IMAGE", "text_embedding": "TEXT"}
 SENTENCE = b"The quick brown fox jumps over the lazy dog near the river bank."
 HOPS = 4
 """client -> orchestrator, orchestrator -> each of the three steps' stages."""
+DEADLINE_S = 60.0
+"""The deadline of "mesh+deadline" requests: long enough never to pass."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,8 @@ class Settings:
     """gRPC connections the mesh load is spread over."""
     threads: int
     """First-step threads of the batched floor."""
+    with_deadline: bool
+    """Also load the mesh with a deadline on every request ("mesh+deadline")."""
 
 
 # -- the floor: the three steps in one process ---------------------------------
@@ -344,23 +349,40 @@ async def load_mesh(
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         for round_ in range(settings.load.rounds):
             for in_flight in settings.in_flight:
-                run = await load_once(info, pipe, payload, settings, in_flight, stub)
-                print(f"  mesh @{in_flight} (round {round_ + 1}): {run.rate:.1f} req/s", flush=True)
-                runs.append(run)
+                for deadline_s in (None, DEADLINE_S) if settings.with_deadline else (None,):
+                    run = await load_once(
+                        info, pipe, payload, settings, in_flight, stub, deadline_s
+                    )
+                    print(
+                        f"  {run.label} @{in_flight} (round {round_ + 1}): {run.rate:.1f} req/s",
+                        flush=True,
+                    )
+                    runs.append(run)
     return best_runs(runs)
 
 
 async def load_once(
-    info: MeshInfo, pipe: Pipeline, payload: bytes, settings: Settings, in_flight: int, stub: Any
+    info: MeshInfo,
+    pipe: Pipeline,
+    payload: bytes,
+    settings: Settings,
+    in_flight: int,
+    stub: Any,
+    deadline_s: float | None = None,
 ) -> LoadResult:
-    """One closed-loop run on the orchestrator; ModelStatistics at the window's edges."""
+    """One closed-loop run on the orchestrator; ModelStatistics at the window's edges.
+    With ``deadline_s`` every request carries that deadline ("mesh+deadline")."""
     # Every mesh process is counted, so "others" is only what lies outside the mesh.
     pids = {**info.pids, "supervisor": info.supervisor_pid}
     connections = min(in_flight, settings.connections)
-    target = GrpcTarget(info.orchestrator, INFER_METHOD, payload, connections)
+    target: GrpcTarget | DeadlineTarget = (
+        GrpcTarget(info.orchestrator, INFER_METHOD, payload, connections)
+        if deadline_s is None
+        else DeadlineTarget(info.orchestrator, payload, connections, deadline_s)
+    )
     try:
         return await closed_loop(
-            "mesh",
+            "mesh" if deadline_s is None else "mesh+deadline",
             target.calls(),
             in_flight,
             pids,
@@ -369,6 +391,32 @@ async def load_once(
         )
     finally:
         await target.close()
+
+
+class DeadlineTarget:
+    """As GrpcTarget, every request with a deadline: an ensemble's steps then each
+    make a ModelInfer instead of travelling on the stages' open streams."""
+
+    def __init__(self, address: str, payload: bytes, connections: int, deadline_s: float) -> None:
+        options = [("grpc.use_local_subchannel_pool", 1)]
+        self._channels = [
+            grpc.aio.insecure_channel(address, options=options) for _ in range(connections)
+        ]
+        self._payload, self._deadline_s = payload, deadline_s
+
+    def calls(self) -> list[Call]:
+        """One call per connection."""
+        return [self._bind(channel.unary_unary(INFER_METHOD)) for channel in self._channels]
+
+    def _bind(self, method: Any) -> Call:
+        async def one() -> None:
+            await method(self._payload, timeout=self._deadline_s)
+
+        return one
+
+    async def close(self) -> None:
+        """Close every channel."""
+        await asyncio.gather(*(channel.close() for channel in self._channels))
 
 
 def stage_times(pipe: Pipeline, result: LoadResult) -> list[StageTimes]:
@@ -388,7 +436,7 @@ def throughput_table(pipe: Pipeline, floor: FloorRuns, mesh: Sequence[LoadResult
     rows: list[list[object]] = []
     for result in [*floor.results.values(), *mesh]:
         per_stage = [result.cpu_ms(process) for process in pipe.stages.values()]
-        mesh_run = result.label == "mesh"
+        mesh_run = result.label.startswith("mesh")
         total = result.cpu_ms(*pipe.serving) if mesh_run else result.client_cpu_ms()
         rows.append(
             [
@@ -438,7 +486,7 @@ def stage_table(pipe: Pipeline, floor: FloorRuns, mesh: Sequence[LoadResult]) ->
 
 def hop_lines(pipe: Pipeline, floor: FloorRuns, mesh: Sequence[LoadResult]) -> list[str]:
     """Where the mesh's extra latency at 1 in flight goes, per hop."""
-    by_level = {result.in_flight: result for result in mesh}
+    by_level = {result.in_flight: result for result in mesh if result.label == "mesh"}
     if 1 not in by_level or 1 not in floor.results:
         return []
     one, base = by_level[1], floor.results[1]
@@ -466,8 +514,8 @@ def ratio_lines(floor: FloorRuns, mesh: Sequence[LoadResult]) -> list[str]:
         if result.in_flight > 1 and result.in_flight in floor.results:
             base = floor.results[result.in_flight].rate
             lines.append(
-                f"mesh/floor throughput @{result.in_flight}: {result.rate:.1f} / {base:.1f} "
-                f"= {result.rate / base:.2f}"
+                f"{result.label}/floor throughput @{result.in_flight}: "
+                f"{result.rate:.1f} / {base:.1f} = {result.rate / base:.2f}"
             )
     return lines
 
@@ -498,6 +546,11 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     add_load_flags(parser, seconds=5.0, warmup_s=2.0, settle_s=3.0, in_flight="1,16,64")
     parser.add_argument("--connections", type=int, default=4, help="gRPC connections")
     parser.add_argument("--threads", type=int, default=2, help="floor first-step threads")
+    parser.add_argument(
+        "--with-deadline",
+        action="store_true",
+        help="also load with a deadline per request (steps as ModelInfer calls), interleaved",
+    )
     args = parser.parse_args(argv)
     load, levels = load_from_flags(args)
     return Settings(
@@ -509,6 +562,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         levels,
         args.connections,
         args.threads,
+        args.with_deadline,
     )
 
 
