@@ -29,7 +29,10 @@ cases: dict[str, Any] = {
     "malformed_messages": lambda: client.chat.completions.create(
         model="llm", messages=[{"role": "wizard", "content": "hi"}]
     ),
-    "n_2": lambda: client.chat.completions.create(model="llm", messages=question, n=2),
+    "suffix": lambda: client.completions.create(model="llm", prompt="Hi", suffix="!"),
+    "too_many_top_logprobs": lambda: client.chat.completions.create(
+        model="llm", messages=question, logprobs=True, top_logprobs=21
+    ),
     "token_prompt": lambda: client.completions.create(model="llm", prompt=[1, 2, 3]),
     "token_embeddings": lambda: client.embeddings.create(model="text_embedding", input=[[1, 2]]),
     "unknown_embedder": lambda: client.embeddings.create(model="ghost", input="hello"),

@@ -1,22 +1,25 @@
 """SmolLM2 streamed by the inference service's vLLM engine (a decoupled model).
 
-One inference service hosts ``smollm2`` for the whole module (an engine takes
-tens of seconds to start); a tokenizer service hosts ``smollm2_tokenizer``.
-Streams go through our own grpc.aio stubs and, in a child process, through
-tritonclient. What a user would notice: the answer streams token by token and
-is right (Paris), concurrent streams keep their own text, a cancelled stream
-stops the generation inside vLLM, bad requests name their field, ModelInfer
-on a decoupled model says to use ModelStreamInfer, and the model's config shows
-(and the log says) the dtype the engine runs in: float32, on any CPU.
+The session's mesh (tests/e2e/conftest.py) hosts ``smollm2`` on its inference
+service and ``smollm2_tokenizer`` on its tokenizer service; these tests call
+those stages directly, so they share the session's one engine instead of
+starting their own. Streams go through our own grpc.aio stubs and, in a child
+process, through tritonclient. What a user would notice: the answer streams
+token by token and is right (Paris), concurrent streams keep their own text,
+a cancelled stream stops the generation inside vLLM, bad requests name their
+field, ModelInfer on a decoupled model says to use ModelStreamInfer, the
+model's config shows (and the log says) the dtype the engine runs in: float32,
+on any CPU, and a request for logprobs gets each token's with its top five.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +31,11 @@ from tokenizers import Tokenizer
 
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
-from models.prepare import prepare_repository
 from services.postprocess.detokenize import IncrementalDecoder
 from shared.tensors import decode_outputs, encode_inputs
-from tests.conftest import build_repository, cache_dir
-from tests.harness import Samples, ServiceProcess, run_client
+from tests.harness import RUNNING, Samples, run_client
+
+pytestmark = pytest.mark.e2e
 
 MODEL = "smollm2"
 TOKENIZER = "smollm2_tokenizer"
@@ -60,38 +63,54 @@ CAPITALS = {
 STORY = "Write a very long story about a dragon who learns to bake bread."
 
 
-@pytest.fixture(scope="module")
-def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    prepared = prepare_repository(cache_dir(), models=[MODEL, TOKENIZER], echo=lambda _: None)
-    return build_repository(tmp_path_factory.mktemp("llm-repo"), [], [MODEL, TOKENIZER], prepared)
+@dataclass(frozen=True)
+class Stage:
+    """One stage process of the session's mesh."""
+
+    address: str
+    metrics_port: int
+
+    def metrics(self) -> Samples:
+        """Scrape the stage's /metrics endpoint."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        samples: Samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                series, _, value = line.rpartition(" ")
+                name, _, labels = series.partition("{")
+                pairs = re.findall(r'(\w+)="([^"]*)"', labels)
+                samples[name, frozenset(pairs)] = float(value)
+        return samples
 
 
 @pytest.fixture(scope="module")
-def services(repo: Path) -> Iterator[dict[str, ServiceProcess]]:
-    """The inference and tokenizer services, started side by side."""
-    cache = cache_dir()
-    engine_env = {
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CACHE_ROOT": str(cache / "vllm"),
-        "TORCHINDUCTOR_CACHE_DIR": str(cache / "torchinductor"),
+def services(mesh: dict[str, Any]) -> dict[str, Stage]:
+    """The session mesh's inference and tokenizer services."""
+    processes = mesh["processes"]
+    return {
+        name: Stage(processes[f"{name}-0"]["grpc"], processes[f"{name}-0"]["metrics_port"])
+        for name in ("inference", "tokenizer")
     }
-    args = ["--model-repository", str(repo), "--metrics-port", "0"]
-    with ThreadPoolExecutor(2) as pool:
-        starting = {
-            "inference": pool.submit(
-                ServiceProcess, "services.inference.main", args, engine_env, 300.0
-            ),
-            "tokenizer": pool.submit(ServiceProcess, "services.tokenizer.main", args),
-        }
-        started = {name: future.result() for name, future in starting.items()}
-    yield started
-    for process in started.values():
-        process.stop()
 
 
 @pytest.fixture(scope="module")
-def address(services: dict[str, ServiceProcess]) -> str:
+def repo(mesh: dict[str, Any]) -> Path:
+    return Path(mesh["repository"])
+
+
+@pytest.fixture(scope="module")
+def address(services: dict[str, Stage]) -> str:
     return services["inference"].address
+
+
+def mesh_log(address: str) -> str:
+    """The log of the running mesh whose processes include ``address``."""
+    for name, path in RUNNING.values():
+        if name == "deploy.local.supervisor" and address in (text := path.read_text()):
+            return text
+    raise AssertionError(f"no running mesh's log names {address}")
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +169,7 @@ def llm_metric(samples: Samples, name: str, **labels: str) -> float:
 
 
 def test_tokenizer_stage_renders_the_chat_like_transformers(
-    services: dict[str, ServiceProcess], chat_ids: Any
+    services: dict[str, Stage], chat_ids: Any
 ) -> None:
     chat = json.dumps([{"role": "user", "content": "What is the capital of France?"}])
     message = pb.ModelInferRequest(model_name=TOKENIZER)
@@ -187,7 +206,7 @@ def test_greedy_chat_streams_token_deltas_ending_in_paris(
 
 
 def test_model_config_shows_the_dtype_the_engine_runs_in(
-    services: dict[str, ServiceProcess],
+    services: dict[str, Stage],
 ) -> None:
     with grpc.insecure_channel(services["inference"].address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -196,7 +215,7 @@ def test_model_config_shows_the_dtype_the_engine_runs_in(
     assert parameters["dtype"] == "float32"  # the config's own: no engine guesses
     assert parameters["dtype_in_use"] == "float32"  # what the running engine resolved
     line = f"model '{MODEL}': dtype float32 in use (requested float32): as configured"
-    assert line in services["inference"].logs()
+    assert line in mesh_log(services["inference"].address)
 
 
 async def _answer(address: str, ids: list[int]) -> list[pb.ModelStreamInferResponse]:
@@ -242,7 +261,7 @@ async def _cancel_after(address: str, ids: list[int], responses: int) -> int:
 
 
 def test_cancelling_a_stream_aborts_the_generation_in_vllm(
-    services: dict[str, ServiceProcess], chat_ids: Any
+    services: dict[str, Stage], chat_ids: Any
 ) -> None:
     service = services["inference"]
     aborted_before = llm_metric(service.metrics(), "requests_finished_total", finish_reason="abort")
@@ -263,7 +282,7 @@ def test_cancelling_a_stream_aborts_the_generation_in_vllm(
 
 
 def test_vllm_own_metric_names_are_served_for_its_dashboards(
-    services: dict[str, ServiceProcess], chat_ids: Any
+    services: dict[str, Stage], chat_ids: Any
 ) -> None:
     service = services["inference"]
     engine = frozenset({"model_name": MODEL, "engine": "0"}.items())
@@ -339,3 +358,23 @@ def test_tritonclient_streaming_receives_every_response(
     assert sum(r["new_tokens"] for r in responses) == len(responses[-1]["output_ids"])
     assert responses[-1]["finish"] in ("stop", "length")
     assert "top_p" in answers["bad"]["error"]
+
+
+def test_logprobs_come_with_each_step_sampled_token_first(address: str, chat_ids: Any) -> None:
+    prompt = chat_ids("What is the capital of France?")
+    sampling = {"temperature": 0, "max_tokens": 6, "logprobs": 5}
+    messages = asyncio.run(stream_all(address, [request(prompt, sampling, "lp")]))
+    outputs = [decode_outputs(m.infer_response) for m in messages if not m.error_message]
+    assert len(outputs) == len(messages)
+    seen = 0
+    for out in outputs:
+        new = int(out["NEW_TOKENS"][0])
+        ids, values = out["LOGPROB_IDS"], out["LOGPROBS"]
+        assert ids.shape == values.shape == (new, 6)
+        if new:
+            assert ids[:, 0].tolist() == out["OUTPUT_IDS"][-new:].tolist()
+        # Greedy: the sampled token is the likeliest; the alternatives come by rank.
+        assert (ids[:, 0] == ids[:, 1]).all() and (values[:, 0] == values[:, 1]).all()
+        assert (np.diff(values[:, 1:], axis=1) <= 0).all() and (values <= 0).all()
+        seen += new
+    assert seen == 6

@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+import jsonschema
 import numpy as np
 import pytest
 
@@ -147,6 +148,72 @@ def test_sixteen_concurrent_streams_each_answer_their_question(base_url: str) ->
     assert len({a["text"] for a in answers}) == 16
 
 
+@pytest.fixture(scope="module")
+def parity(base_url: str) -> dict[str, Any]:
+    result: dict[str, Any] = run_client("openai_parity.py", base_url)
+    return result
+
+
+def test_n_choices_with_a_seed_differ_and_repeat(parity: dict[str, Any]) -> None:
+    first, again = parity["seeded"]
+    assert len(first) == 3 and len(set(first)) == 3, first
+    assert again == first
+    streamed = parity["streamed_choices"]
+    assert set(streamed["texts"]) == {"0", "1"}  # JSON keys
+    for text in streamed["texts"].values():
+        assert text.startswith("The capital of France is")  # echo
+    assert set(streamed["finishes"].values()) <= {"stop", "length"}
+    usage = streamed["usage"]
+    assert all(u is not None for u in usage)  # continuous_usage_stats
+    last = usage[-1]
+    assert last["total_tokens"] == last["prompt_tokens"] + last["completion_tokens"]
+    assert 2 <= last["completion_tokens"] <= 16  # both choices counted, 8 tokens at most each
+
+
+def test_logprobs_take_openais_shapes(parity: dict[str, Any]) -> None:
+    chat = parity["logprobs"]["chat"]["choices"][0]
+    content = chat["logprobs"]["content"]
+    # As in vLLM's answer, the end-of-turn token that stopped it has its entry too.
+    assert "".join(t["token"] for t in content).startswith(chat["message"]["content"])
+    for token in content:
+        assert len(token["top_logprobs"]) == 5
+        assert token["top_logprobs"][0]["token"] == token["token"]  # greedy: the likeliest
+        assert token["bytes"] == list(token["token"].encode())
+        values = [t["logprob"] for t in token["top_logprobs"]]
+        assert values == sorted(values, reverse=True) and values[0] <= 0
+    streamed = [
+        t
+        for c in parity["logprobs"]["chat_chunks"]
+        for ch in c["choices"]
+        if ch["logprobs"]
+        for t in ch["logprobs"]["content"]
+    ]
+    assert [t["token"] for t in streamed] == [t["token"] for t in content]
+    completion = parity["logprobs"]["completion"]["choices"][0]["logprobs"]
+    assert "".join(completion["tokens"]) == parity["logprobs"]["completion"]["choices"][0]["text"]
+    assert all(len(top) <= 4 for top in completion["top_logprobs"])
+    assert completion["text_offset"][0] == 0
+
+
+def test_json_schema_answers_validate(parity: dict[str, Any]) -> None:
+    answers = parity["schema_answers"]
+    assert len(answers) == 20
+    for answer in answers:
+        jsonschema.validate(json.loads(answer), parity["schema"])
+    extras = parity["extras"]
+    assert extras["choice"] in ("Paris", "Lyon", "Nice")
+    assert re.fullmatch("[0-9]{3}", extras["regex"])
+    assert extras["json_object"].lstrip().startswith("{")  # (cut by max_tokens, maybe)
+
+
+def test_tools_for_a_model_without_a_tool_format_are_a_clear_400(parity: dict[str, Any]) -> None:
+    for how in ("whole", "stream"):
+        refused = parity["tools"][how]
+        assert (refused["class"], refused["status"]) == ("BadRequestError", 400), refused
+        assert refused["body"]["param"] == "tools"
+        assert "no tool format" in refused["body"]["message"]
+
+
 def test_bad_requests_through_the_sdk(base_url: str) -> None:
     results = run_client("openai_errors.py", base_url)
     expected = {
@@ -155,7 +222,8 @@ def test_bad_requests_through_the_sdk(base_url: str) -> None:
         "too_long": ("BadRequestError", 400, None),
         "too_long_stream": ("BadRequestError", 400, None),
         "malformed_messages": ("BadRequestError", 400, "messages[0].role"),
-        "n_2": ("BadRequestError", 400, "n"),
+        "suffix": ("BadRequestError", 400, "suffix"),
+        "too_many_top_logprobs": ("BadRequestError", 400, "top_logprobs"),
         "token_prompt": ("BadRequestError", 400, "prompt"),
         "token_embeddings": ("BadRequestError", 400, "input"),
         "unknown_embedder": ("NotFoundError", 404, None),
