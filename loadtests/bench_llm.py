@@ -3,6 +3,7 @@
     python loadtests/bench_llm.py [--streams 16] [--max-tokens 64] [--rounds 3]
                                   [--probes 30] [--probe-tokens 16]
                                   [--skip "vllm server,transformers"] [--quick]
+                                  [--n 4] [--logprobs 5]
 
 One workload (``--streams`` concurrent chat requests, each asking SmolLM2-135M-
 Instruct for a short story, greedy, ``--max-tokens`` tokens at most) sent to:
@@ -268,7 +269,11 @@ async def run_round(
 class OpenAiChat:
     """Streamed /v1/chat/completions over one keep-alive connection per stream."""
 
-    def __init__(self, base_url: str, model: str, streams: int) -> None:
+    def __init__(
+        self, base_url: str, model: str, streams: int, extra: dict[str, Any] | None = None
+    ) -> None:
+        self._extra = extra or {}
+        """More body fields (n, logprobs), the same for every target."""
         connector = aiohttp.TCPConnector(limit=streams)
         timeout = aiohttp.ClientTimeout(total=600)
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
@@ -283,6 +288,7 @@ class OpenAiChat:
             "max_tokens": max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **self._extra,
         }
         clock, tokens, prompt_tokens = StreamClock(), 0, 0
         try:
@@ -315,7 +321,10 @@ class OpenAiChat:
 class GrpcChat:
     """meshserve.v1 Chat, one HTTP/2 connection shared by every stream."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, n: int = 1, logprobs: int | None = None) -> None:
+        self._options: dict[str, int] = (
+            {"n": n} if logprobs is None else {"n": n, "logprobs": logprobs}
+        )
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = api_grpc.MeshServiceStub(self._channel)
 
@@ -323,14 +332,16 @@ class GrpcChat:
         request = api.ChatRequest(
             messages=[api.ChatMessage(role="user", content=prompt)],
             model=MESH_MODEL,
-            sampling=api.SamplingParams(temperature=0, max_tokens=max_tokens),
+            sampling=api.SamplingParams(temperature=0, max_tokens=max_tokens, **self._options),
         )
-        clock, tokens, prompt_tokens = StreamClock(), 0, 0
+        clock, prompt_tokens = StreamClock(), 0
+        tokens: dict[int, int] = {}  # per choice
         async for response in self._stub.Chat(request, timeout=600):
-            clock.text(response.delta.text)
-            tokens = max(tokens, response.delta.completion_tokens)
-            prompt_tokens = max(prompt_tokens, response.delta.prompt_tokens)
-        return clock.result(tokens, prompt_tokens)
+            delta = response.delta
+            clock.text(delta.text)
+            tokens[delta.index] = max(tokens.get(delta.index, 0), delta.completion_tokens)
+            prompt_tokens = max(prompt_tokens, delta.prompt_tokens)
+        return clock.result(sum(tokens.values()), prompt_tokens)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -499,6 +510,17 @@ class Settings:
     """max_tokens of a lone probe: more than one, like a chat, keeps the engine
     stepping while the first token is on its way out."""
     skip: frozenset[str]
+    n: int = 1
+    """Choices per request (each stream's tokens count all of them)."""
+    logprobs: int | None = None
+    """Top logprobs per token asked for (None: none)."""
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI body fields for ``n`` and ``logprobs``."""
+        extra: dict[str, Any] = {"n": self.n} if self.n > 1 else {}
+        if self.logprobs is not None:
+            extra |= {"logprobs": True, "top_logprobs": self.logprobs}
+        return extra
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Settings:
@@ -517,11 +539,17 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         "--skip", default="", help=f"comma-separated targets to leave out, of: {', '.join(TARGETS)}"
     )
     parser.add_argument("--quick", action="store_true", help="4 streams x 16 tokens, 1 round")
+    parser.add_argument("--n", type=int, default=1, help="choices per request (OpenAI's n)")
+    parser.add_argument(
+        "--logprobs", type=int, default=None, help="top logprobs per token (0..20; off if unset)"
+    )
     args = parser.parse_args(argv)
     skip = frozenset(s.strip() for s in args.skip.split(",") if s.strip())
     unknown = skip - set(TARGETS)
     if unknown:
         parser.error(f"--skip: unknown target(s) {sorted(unknown)}; expected {list(TARGETS)}")
+    if args.n > 1 or args.logprobs is not None:
+        skip |= {"transformers"}  # its static batch asks for one greedy choice, no logprobs
     if args.quick:
         args.streams, args.max_tokens, args.rounds, args.probes = 4, 16, 1, 3
     if min(args.streams, args.max_tokens, args.rounds, args.probe_tokens) < 1 or args.probes < 0:
@@ -537,6 +565,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         args.probes,
         args.probe_tokens,
         skip,
+        args.n,
+        args.logprobs,
     )
 
 
@@ -568,11 +598,15 @@ async def measure(
     texts = prompts(settings.streams)
     clients: dict[str, OpenAiChat | GrpcChat] = {}
     if "mesh openai" not in settings.skip:
-        clients["mesh openai"] = OpenAiChat(f"http://{edge}/v1", MESH_MODEL, settings.streams)
+        clients["mesh openai"] = OpenAiChat(
+            f"http://{edge}/v1", MESH_MODEL, settings.streams, settings.body()
+        )
     if "mesh grpc" not in settings.skip:
-        clients["mesh grpc"] = GrpcChat(edge)
+        clients["mesh grpc"] = GrpcChat(edge, settings.n, settings.logprobs)
     if vllm_url is not None:
-        clients["vllm server"] = OpenAiChat(vllm_url, ENGINE_MODEL, settings.streams)
+        clients["vllm server"] = OpenAiChat(
+            vllm_url, ENGINE_MODEL, settings.streams, settings.body()
+        )
     runners = {label: _stream_runner(label, client) for label, client in clients.items()}
     mesh_engine = EngineTtft(
         [
@@ -594,7 +628,7 @@ async def measure(
         for round_index in range(settings.rounds + 1):  # round 0 warms up
             for label, run in runners.items():
                 done = await _timed(run, texts, settings.max_tokens)
-                _check(done, settings.max_tokens)
+                _check(done, settings.max_tokens * settings.n)
                 if round_index:
                     rounds.append(done)
                 print(f"  round {round_index} {label}: {done.tokens_per_s:.1f} tok/s", flush=True)
