@@ -2,7 +2,9 @@
 
     make bench-peers      (builds the peers' venvs, then runs this)
     python loadtests/peers/bench.py [--rounds 3] [--seconds 5] [--in-flight 16,1]
-                                    [--only mesh,kserve] [--plot docs/images/peers.png]
+                                    [--only mesh,kserve,...] [--ways "REST,gRPC"]
+                                    [--perf-analyzer] [--baseline DIR]
+                                    [--plot docs/images/peers.png]
 
 Every server serves the same TorchScript MLP 128 -> 512 -> 10 with one intra-op
 thread (model.py), and gets the same closed-loop load: batch 1 per request, N
@@ -18,6 +20,12 @@ CPU ms per request (every process of the server and its children, from
 /proc), by process for the mesh, the load generator's own CPU, and the CPU
 steal seen in each round (/proc/stat); then the ratios the project holds
 itself to. ``--plot`` writes a PNG of req/s and server CPU per request.
+
+``--perf-analyzer`` also runs Triton's perf_analyzer on each way it speaks,
+right after the closed loop's window (triton_load.py); ``--only mesh-log``
+adds the mesh with Envoy's access log on, ``--only baseline --baseline DIR``
+the mesh of another source tree (an older commit's ``git archive``), each
+with the mesh's ways, side by side.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import pickle
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -73,6 +82,8 @@ class Settings:
     """Run only the ways whose label contains one of these (all when empty)."""
     perf_analyzer: bool
     """Also load each way perf_analyzer speaks with it, and compare."""
+    save: Path | None
+    """Pickle the raw results here (to print or plot them again)."""
 
 
 def steal_seconds() -> float:
@@ -188,6 +199,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument(
         "--perf-analyzer", action="store_true", help="compare with Triton's perf_analyzer"
     )
+    parser.add_argument("--save", type=Path, default=None, help="pickle the raw results here")
     args = parser.parse_args(argv)
     chosen = tuple(s for s in args.only.split(",") if s)
     unknown = set(chosen) - set(SERVERS)
@@ -206,6 +218,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         args.baseline.resolve() if args.baseline else None,
         tuple(part for part in args.ways.split(",") if part),
         args.perf_analyzer,
+        args.save,
     )
 
 
@@ -235,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     agreements: list[Agreement] = []
     results = asyncio.run(run(settings, agreements))
+    if settings.save is not None:
+        settings.save.write_bytes(pickle.dumps((results, agreements)))
     summaries = report.summarise(results)
     print()
     print(report.table(summaries))

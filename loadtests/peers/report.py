@@ -131,6 +131,7 @@ def table(summaries: Sequence[Summary]) -> str:
         "server CPU ms/req",
         "client ms/req",
         "steal by round",
+        "others",
         "errors",
         "mesh CPU by process",
     ]
