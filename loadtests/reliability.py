@@ -76,6 +76,7 @@ from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.tensors import encode_inputs
 
 MODELS = ["text_embedding", "image_classifier", "llm"]
+LLM_MODELS = {"llm", "smollm2", "smollm2_tokenizer", "smollm2_detokenizer"}
 STAGES = ["inference", "tokenizer", "preprocess", "postprocess"]
 RECOVERY_LIMIT_S = 10.0
 READY_TIMEOUT_S = 600.0
@@ -316,8 +317,9 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def run_soak(info: dict[str, Any], minutes: float, in_flight: int) -> bool:
-    """Mixed load for ``minutes``: 1 in 4 workers chat with the LLM; RSS per process."""
+def run_soak(info: dict[str, Any], minutes: float, in_flight: int, chat: bool = True) -> bool:
+    """Mixed load for ``minutes``: 1 call in 8 a chat with the LLM (unless not
+    ``chat``); RSS per process."""
     channel = grpc.insecure_channel(info["orchestrator"])
     stub = pb_grpc.GRPCInferenceServiceStub(channel)
     calls = [mixed_call(stub), chat_call(info["processes"]["envoy"]["grpc"])]
@@ -325,7 +327,7 @@ def run_soak(info: dict[str, Any], minutes: float, in_flight: int) -> bool:
 
     def call() -> None:
         index = next(turn)
-        calls[1 if index % 8 == 0 else 0]()
+        calls[1 if chat and index % 8 == 0 else 0]()
 
     pids = {name: pid for name, (pid, _) in info["table"].started.items()}
     warm = faults.load_with_fault(_noop_plan(call, in_flight, 30.0))
@@ -395,6 +397,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=1,
         help="overload runs in a row on one mesh, RSS after each (a leak grows every round)",
     )
+    parser.add_argument(
+        "--without-llm",
+        action="store_true",
+        help="the default models but the LLM's (fuzz, faults and soak then need no vLLM engine)",
+    )
     parser.add_argument("--slow", type=int, default=300, help="slowloris connections")
     parser.add_argument("--idle", type=int, default=1000, help="idle connections")
     parser.add_argument("--half-open", type=int, default=500, help="half-open requests")
@@ -412,13 +419,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"missing models in {args.repository}: {missing} (run `make models`)")
         return 2
     install_sigterm_exit()
+    with tempfile.TemporaryDirectory(prefix="meshserve-reliability-repo-") as tmp:
+        if args.without_llm:
+            args.repository = without_llm(args.repository, Path(tmp))
+        return 0 if run_parts(args, skip) else 1
+
+
+def without_llm(source: Path, target: Path) -> Path:
+    """A repository of links to every model of ``source`` but the LLM's."""
+    for model in sorted(source.expanduser().iterdir()):
+        if model.is_dir() and model.name not in LLM_MODELS:
+            (target / model.name).symlink_to(model, target_is_directory=True)
+    return target
+
+
+def run_parts(args: argparse.Namespace, skip: set[str]) -> bool:
+    """Every part not skipped, in order; True when every expectation held."""
     fine = True
     if {"fuzz", "faults", "soak"} - skip:
         with mesh(args.repository, replicas=args.replicas) as info:
             if "fuzz" not in skip:
                 fine &= run_fuzz(info, args.fuzz_cases, args.seed)
             if "soak" not in skip:  # before the faults: their restarts are expected
-                fine &= run_soak(info, args.soak_minutes, args.in_flight)
+                fine &= run_soak(info, args.soak_minutes, args.in_flight, not args.without_llm)
             if "faults" not in skip:
                 rows, ok = fault_rows(info, args.in_flight, single=args.replicas < 2)
                 print(format_table(HEADERS, rows))
@@ -433,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "overload" not in skip and args.overload_queued_batches is not None:
         fine &= run_bounded_overload(args)
     print("all expectations held" if fine else "SOME EXPECTATIONS FAILED")
-    return 0 if fine else 1
+    return fine
 
 
 def run_overload_and_abuse(args: argparse.Namespace, skip: set[str]) -> bool:
