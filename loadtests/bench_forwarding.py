@@ -55,6 +55,20 @@ from deploy.local.procfs import TICKS
 from inference import grpc_service_pb2 as pb
 from shared.tensors import encode_inputs
 
+TORCH_MODULES = (
+    "torch",
+    "torchgen",
+    "functorch",
+    "sympy",
+    "mpmath",
+    "networkx",
+    "filelock",
+    "fsspec",
+    "jinja2",
+    "markupsafe",
+    "typing_extensions.py",
+)
+"""What torch imports, for KServe's venv (which has none of it)."""
 KSERVE_PYTHON = Path("~/.cache/meshserve/venvs/kserve-0.21.0/bin/python").expanduser()
 CONFIG = """\
 name: "mlp"
@@ -144,6 +158,18 @@ def mesh_doors(repository: Path) -> Iterator[list[Door]]:
         ]
 
 
+def torch_only(folder: Path) -> Path:
+    """A folder holding torch and what it imports, linked from this venv: all of
+    this venv on KServe's path would have KServe import transformers (and scan
+    every installed package) at start."""
+    site = Path(torch.__file__).resolve().parent.parent
+    folder.mkdir()
+    for name in TORCH_MODULES:
+        if (site / name).exists():
+            (folder / name).symlink_to(site / name)
+    return folder
+
+
 @contextmanager
 def kserve_door(repository: Path, folder: Path) -> Iterator[Door]:
     """KServe's server with the same model; stopped by PID on exit."""
@@ -154,9 +180,8 @@ def kserve_door(repository: Path, folder: Path) -> Iterator[Door]:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             ports.append(sock.getsockname()[1])
-    torch_site = str(Path(torch.__file__).resolve().parent.parent)
     command = [str(KSERVE_PYTHON), str(Path(__file__).with_name("kserve_mlp.py"))]
-    command += [str(repository / "mlp" / "1" / "model.pt"), torch_site]
+    command += [str(repository / "mlp" / "1" / "model.pt"), str(torch_only(folder / "torch"))]
     command += ["--grpc_port", str(ports[0]), "--http_port", str(ports[1])]
     with (folder / "kserve.log").open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

@@ -4,9 +4,10 @@
         --grpc_port P --http_port Q
 
 Runs in KServe's venv (its ``inference`` protobuf package clashes with ours);
-torch comes from the project's venv (``TORCH_SITE``, appended to the path so
-KServe's own packages win). One intra-op thread, as the mesh's instance gets;
-the model runs in ``predict`` on KServe's event loop, as KServe runs it.
+torch comes from the project's venv (``TORCH_SITE``: a folder linking torch and
+what it imports, appended to the path so KServe's own packages win). One
+intra-op thread, as the mesh's instance gets; the model runs in ``predict`` on
+KServe's event loop, as KServe runs it.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 
 import grpc
 
@@ -57,6 +58,7 @@ class ForwardStream:
         self._accepted: asyncio.Future[bool] = loop.create_future()
         self._closing = False
         self._closer: asyncio.Task[None] | None = None
+        self._idle: asyncio.TimerHandle | None = None
         self._reader = asyncio.create_task(self._read(), name="forward-stream")
 
     @property
@@ -77,6 +79,9 @@ class ForwardStream:
         NotForwarding when the server does not forward (nothing was sent)."""
         if not await self._accepted:
             raise NotForwarding
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
         tag = f"~{next(self._tags)}"
         answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._pending[tag] = answer
@@ -91,12 +96,27 @@ class ForwardStream:
             raise Unavailable("the stage stream closed with the request unsent") from None
         finally:
             del self._pending[tag]
-            if self._closing and not self._pending:
-                self._finish()
+            if not self._pending:
+                self._went_idle()
+
+    def _went_idle(self) -> None:
+        """No request in flight: close now if retiring, else after STREAM_SECONDS
+        unless a request comes first (an idle stream would hold a stage's drain)."""
+        if self._closing:
+            self._finish()
+        elif self._idle is None:
+            loop = asyncio.get_running_loop()
+            self._idle = loop.call_later(STREAM_SECONDS, self._finish)
+
+    def when_ended(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once the stream has ended and its answers are all in."""
+        self._reader.add_done_callback(lambda _: callback())
 
     def cancel(self) -> None:
         """End the stream now (its replica went away); requests on it fail Unavailable."""
         self._closing = True
+        if self._idle is not None:
+            self._idle.cancel()
         self._call.cancel()
 
     def _finish(self) -> None:

@@ -99,6 +99,8 @@ class Endpoint:
     (which carry no trace); they connect on first use."""
     forward_streams: dict[int, ForwardStream] = field(default_factory=dict)
     """Channel index -> its stream carrying forwarded requests (forward_stream.py)."""
+    retiring_streams: set[ForwardStream] = field(default_factory=set)
+    """Streams that take no new requests, until their answers are in."""
     forwards_on_streams: bool = True
     """False once the replica turned out not to answer forwarded requests on a stream."""
     models: set[str] = field(default_factory=set)
@@ -141,8 +143,15 @@ class Endpoint:
         index = next(self._next)
         stream = self.forward_streams.get(index)
         if stream is None or not stream.open:
+            if stream is not None:
+                self._retire_stream(stream)
             stream = self.forward_streams[index] = ForwardStream(self.plain_channels[index])
         return stream
+
+    def _retire_stream(self, stream: ForwardStream) -> None:
+        # Held until its last answers are in: nothing else refers to it.
+        self.retiring_streams.add(stream)
+        stream.when_ended(lambda: self.retiring_streams.discard(stream))
 
     def stream(self) -> StageStream:
         """A ModelStreamInfer call: a spare when one is still open, else a new one.
