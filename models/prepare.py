@@ -11,7 +11,10 @@ Triton ensembles, each step a model hosted by some stage service:
     image_classifier = image_preprocess -> mobilenet_v2_onnx -> imagenet_top5
     llm              = smollm2_tokenizer -> smollm2 (vLLM, streams) -> smollm2_detokenizer
 
-plus ``mlp`` and ``mobilenet_v2`` (TorchScript). Models computed from their
+plus ``mlp`` and ``mobilenet_v2`` (TorchScript). Beside the repository, for
+repositories that ask for them: ``<cache>/adapters/smollm2_hello`` (a LoRA
+adapter, trained with peft) and ``<cache>/optional/smollm2_w8a8`` (int8 SmolLM2);
+see docs/lora-and-quantization.md. Models computed from their
 config alone (pooling, preprocessing, top-k, ensembles) get a version folder
 holding only a README.txt.
 
@@ -47,7 +50,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from models import minilm, smollm2, sources
+from models import minilm, smollm2, smollm2_lora, smollm2_quant, sources
 
 # Bump when a build step changes in a way the fingerprinted inputs do not show.
 RECIPE_VERSION = 2
@@ -440,6 +443,9 @@ class Recipe:
     """Text of ``1/README.txt``, for models whose version folder holds no model file."""
     requires: tuple[str, ...] = ()
     """Models this one needs in the repository (an ensemble's steps)."""
+    home: str = "repository"
+    """The cache folder the model folder goes to (``repository`` unless it must not
+    load by default, as a LoRA adapter whose base has LoRA off)."""
 
 
 _MOBILENET_WEIGHTS = ((sources.WEIGHTS_PACKAGE, sources.WEIGHTS_FILE),)
@@ -560,6 +566,30 @@ RECIPES: tuple[Recipe, ...] = (
         readme=_readme("llm", "the orchestrator (an ensemble)"),
         requires=("smollm2_tokenizer", "smollm2", "smollm2_detokenizer"),
     ),
+    # A LoRA adapter for smollm2 (models/smollm2_lora.py), trained with peft in
+    # seconds; built beside the repository, for repositories whose smollm2 enables LoRA.
+    Recipe(
+        smollm2_lora.ADAPTER_NAME,
+        smollm2_lora.ADAPTER_CONFIG,
+        "smollm2_lora.write_adapter",
+        smollm2_lora.ADAPTER_FILES,
+        ("smollm2_lora.py",),
+        ("torch", "transformers", "peft"),
+        requires=("smollm2",),
+        home=smollm2_lora.ADAPTERS_FOLDER,
+    ),
+    # SmolLM2 in int8 (W8A8, compressed-tensors; models/smollm2_quant.py), beside
+    # the repository: a second engine is opt-in (docs/lora-and-quantization.md).
+    Recipe(
+        smollm2_quant.QUANT_NAME,
+        smollm2_quant.QUANT_CONFIG,
+        "smollm2_quant.write_quantized",
+        smollm2_quant.QUANT_FILES,
+        ("smollm2_quant.py",),
+        ("torch", "safetensors", "compressed-tensors"),
+        requires=("smollm2",),
+        home=smollm2_quant.QUANT_FOLDER,
+    ),
 )
 
 
@@ -589,14 +619,14 @@ def prepare_repository(
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         digests = _SourceDigests(cache / DIGESTS_FILE, trust_memo=not force)
-        stale = _plan(recipes, repository, force, digests, echo)
+        stale = _plan(recipes, cache, force, digests, echo)
         digests.save()
         writers = _load_writers([recipe for recipe, _ in stale], echo)
         for step, (recipe, fingerprint) in enumerate(stale, start=1):
             echo(f"[{step}/{len(stale)}] {recipe.name}: building {_contents(recipe)}")
             built_in = time.perf_counter()
             folder = _build(recipe, staging, fingerprint, writers.get(recipe.name))
-            _install(folder, repository / recipe.name, staging)
+            _install(folder, cache / recipe.home / recipe.name, staging)
             echo(f"[{step}/{len(stale)}] {recipe.name}: built in {_since(built_in)}")
     echo(f"repository ready at {repository} ({_since(started)})")
     return repository
@@ -613,7 +643,7 @@ def _contents(recipe: Recipe) -> str:
 
 def _plan(
     recipes: Sequence[Recipe],
-    repository: Path,
+    cache: Path,
     force: bool,
     digests: _SourceDigests,
     echo: Echo,
@@ -622,7 +652,7 @@ def _plan(
     stale = []
     for recipe in recipes:
         fingerprint = _fingerprint(recipe, digests)
-        if not force and _is_current(repository / recipe.name, fingerprint):
+        if not force and _is_current(cache / recipe.home / recipe.name, fingerprint):
             echo(f"{recipe.name}: up to date")
         else:
             stale.append((recipe, fingerprint))
@@ -817,6 +847,7 @@ def _write_stamp(folder: Path, fingerprint: dict[str, object]) -> None:
 def _install(built: Path, target: Path, staging: Path) -> None:
     """Swap ``built`` in for ``target``: two renames on one filesystem, no partial folder."""
     retired = staging / f"{target.name}-retired-{uuid.uuid4().hex}"
+    target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists():
         target.rename(retired)
     built.rename(target)

@@ -296,8 +296,8 @@ def hosting_stage(reader: ModelRepository, name: str) -> str:
 def test_models_without_a_model_file_have_a_version_folder_with_a_readme(
     repository: Path,
 ) -> None:
-    for recipe in RECIPES:
-        version_dir = repository / recipe.name / "1"
+    for recipe in RECIPES:  # a recipe's home: the repository, or a folder beside it
+        version_dir = repository.parent / recipe.home / recipe.name / "1"
         assert version_dir.is_dir()
         if recipe.readme is not None:
             assert (version_dir / README_FILE).read_text(encoding="utf-8") == recipe.readme
