@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import logging
+import sys
 import time
 from collections.abc import AsyncGenerator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -156,8 +158,18 @@ def _configured_threads(config: mc.ModelConfig) -> int:
     return 0
 
 
+GPU_DEVICES = ("/dev/nvidia[0-9]*", "/dev/dxg", "/dev/kfd")
+"""Device nodes without which torch finds no CUDA device (NVIDIA; WSL's; ROCm's for AMD)."""
+
+
 def cuda_device_count() -> int:
-    """CUDA devices torch can see (0 without torch or CUDA)."""
+    """CUDA devices torch can see (0 without torch or CUDA).
+
+    On a host with no GPU device node torch is not imported to say so: a stage
+    that runs no torch (tokenizer, preprocess) would spend seconds importing it.
+    """
+    if "torch" not in sys.modules and not any(glob.glob(pattern) for pattern in GPU_DEVICES):
+        return 0
     try:
         import torch
     except ImportError:
@@ -254,7 +266,8 @@ class ModelVersion:
         """Create the instances, warm them up, start batching (decoupled: start streaming)."""
         self.state = "LOADING"
         try:
-            specs = instance_specs(self.spec.config, cuda_device_count())
+            # Off the loop: it may import torch, seconds in which no RPC would be answered.
+            specs = instance_specs(self.spec.config, await asyncio.to_thread(cuda_device_count))
             if self.decoupled:
                 await self._load_streaming(specs)
             else:
