@@ -332,7 +332,12 @@ class GrpcChat:
         request = api.ChatRequest(
             messages=[api.ChatMessage(role="user", content=prompt)],
             model=MESH_MODEL,
-            sampling=api.SamplingParams(temperature=0, max_tokens=max_tokens, **self._options),
+            sampling=api.SamplingParams(
+                temperature=1.0 if self._options["n"] > 1 else 0.0,
+                seed=7,
+                max_tokens=max_tokens,
+                **self._options,
+            ),
         )
         clock, prompt_tokens = StreamClock(), 0
         tokens: dict[int, int] = {}  # per choice
@@ -517,7 +522,8 @@ class Settings:
 
     def body(self) -> dict[str, Any]:
         """The OpenAI body fields for ``n`` and ``logprobs``."""
-        extra: dict[str, Any] = {"n": self.n} if self.n > 1 else {}
+        # n > 1 samples (greedy copies are refused, as by vLLM), seeded for both servers alike.
+        extra: dict[str, Any] = {"n": self.n, "temperature": 1.0, "seed": 7} if self.n > 1 else {}
         if self.logprobs is not None:
             extra |= {"logprobs": True, "top_logprobs": self.logprobs}
         return extra

@@ -57,6 +57,7 @@ BAD_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "unknown model": ("chat/completions", {"model": "ghost", "messages": QUESTION}),
+    "greedy n=2": ("chat/completions", {"messages": QUESTION, "n": 2, "temperature": 0}),
     "response_format xml": (
         "chat/completions",
         {"messages": QUESTION, "response_format": {"type": "xml"}},
@@ -110,7 +111,7 @@ def errors(base_url: str, model: str) -> dict[str, tuple[int, str, str]]:
 
 def framing(base_url: str, model: str) -> list[str]:
     """A streamed chat's SSE lines, each reduced to its kind."""
-    body = {"model": model, "messages": QUESTION, "max_tokens": 4, "temperature": 0}
+    body = {"model": model, "messages": QUESTION, "max_tokens": 4, "temperature": 1, "seed": 1}
     status, raw = post(f"{base_url}/chat/completions", {**body, "stream": True, "n": 2})
     kinds = [f"HTTP {status}"]
     for line in raw.decode().split("\n"):

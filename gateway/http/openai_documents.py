@@ -66,6 +66,8 @@ def error_document(status: int, message: str, exc: BaseException | None = None) 
 def _sampling(request: ChatCompletionRequest | CompletionRequest, body: Mapping[str, Any]) -> Any:
     """The request's SamplingParams with the fields openai_fields checks."""
     sampling = request.sampling()
+    if sampling.n > 1 and sampling.HasField("temperature") and sampling.temperature == 0:
+        raise InvalidParam("n", f"must be 1 when using greedy sampling, got {sampling.n}")
     sampling.logit_bias.update(fields.logit_bias(request.logit_bias))
     structured = (
         fields.response_format(request.response_format)

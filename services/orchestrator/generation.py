@@ -88,6 +88,9 @@ def choice_count(sampling: api.SamplingParams) -> int:
     n = sampling.n if sampling.HasField("n") else 1
     if not 1 <= n <= MAX_CHOICES:
         raise InvalidArgument(f"sampling.n must be in 1..{MAX_CHOICES}, got {n}")
+    if n > 1 and sampling.HasField("temperature") and sampling.temperature == 0:
+        # As vLLM: greedy choices would all be the same answer.
+        raise InvalidArgument(f"sampling.n must be 1 when using greedy sampling, got {n}")
     return n
 
 

@@ -29,6 +29,8 @@ def test_choice_i_samples_with_seed_plus_i_as_vllm_children_do() -> None:
     assert choice_count(api.SamplingParams()) == 1
     with pytest.raises(InvalidArgument, match="sampling.n"):
         choice_count(api.SamplingParams(n=0))
+    with pytest.raises(InvalidArgument, match="greedy"):
+        choice_count(api.SamplingParams(n=2, temperature=0))
 
 
 def test_sampling_settings_carry_every_set_field() -> None:

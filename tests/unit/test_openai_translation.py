@@ -93,6 +93,7 @@ def test_unset_sampling_fields_stay_unset() -> None:
         ({"stop": ""}, "stop"),
         ({"seed": 1.5}, "seed"),
         ({"n": 0}, "n"),
+        ({"n": 2, "temperature": 0}, "n"),
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"presence_penalty": "x"}, "presence_penalty"),
         ({"min_p": 1.5}, "min_p"),
