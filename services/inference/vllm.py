@@ -22,11 +22,14 @@ on CPU) runs in a worker thread during model load, ModelReady false until then.
 Contract (config.pbtxt: ``max_batch_size: 0``, ``model_transaction_policy {
 decoupled: true }``): inputs ``INPUT_IDS`` INT64 [-1], optional ``SAMPLING`` BYTES
 [1] (JSON object: temperature, top_p, top_k, max_tokens, stop_token_ids, seed,
-repetition_penalty; ``stop`` strings are accepted and left to the detokenizer).
+repetition_penalty and the fields of vllm_sampling.py; ``stop`` strings are
+accepted and left to the detokenizer).
 Every response: ``OUTPUT_IDS`` INT64 [-1] (all ids generated so far),
 ``NEW_TOKENS`` INT32 [1] (how many of them are new), ``ENGINE_FINISH`` BYTES [1]
 ("" until the final response, then "stop", "length" or "abort"),
-``PROMPT_TOKENS`` and ``COMPLETION_TOKENS`` INT32 [1].
+``PROMPT_TOKENS`` and ``COMPLETION_TOKENS`` INT32 [1], ``LOGPROB_IDS`` INT64 and
+``LOGPROBS`` FP32 [new, 1 + k] (the sampled token, then the k likeliest, when
+SAMPLING asks for ``logprobs`` k; [0, 0] otherwise).
 
 Config parameters: the fields of ``EngineSettings`` (vllm_settings.py, with
 ``Sampling``, the SAMPLING fields and their ranges). Once the engine runs, the

@@ -17,7 +17,10 @@ there). The final response (``ENGINE_FINISH`` non-empty) holds nothing back.
 Tensors (``max_batch_size`` 0, or batched with one row per request row):
 inputs ``OUTPUT_IDS`` INT64 [-1], ``NEW_TOKENS`` INT32 [1], ``ENGINE_FINISH``
 BYTES [1] and optional ``SAMPLING`` BYTES [1] (JSON; its ``stop`` strings and
-``skip_special_tokens`` are used, other fields belong to the engine); outputs
+``skip_special_tokens`` are used, other fields belong to the engine), and
+optional ``LOGPROB_IDS`` INT64 / ``LOGPROBS`` FP32 [new, 1 + k] (the engine's);
+outputs ``TOKEN_LOGPROBS`` BYTES [1] (optional: JSON rows of ``[id, logprob,
+token]`` per new token, each token decoded alone; "" when none came),
 ``TEXT_DELTA`` BYTES [1] and ``FINISH_REASON`` BYTES [1]: "stop" when a stop
 string was reached (the text before it is the last delta), else
 ``ENGINE_FINISH``. A non-empty reason tells the orchestrator to end the stream
