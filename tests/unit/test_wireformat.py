@@ -9,6 +9,7 @@ import pytest
 from inference import grpc_service_pb2 as pb
 from shared.wireformat import WireError, infer_header, with_id
 
+
 def _text(rng: random.Random) -> str:
     # Multi-byte characters too: lengths on the wire count bytes, not characters.
     return "".join(rng.choice("ab_-.é漢\U0001f600") for _ in range(rng.randrange(0, 200)))
