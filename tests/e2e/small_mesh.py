@@ -76,7 +76,7 @@ class OtlpRelay:
         for send in sends:
             # A collector still starting misses these spans: they are not its test's.
             with contextlib.suppress(grpc.RpcError):
-                send(request, timeout=10)
+                send(request, timeout=10, wait_for_ready=True)
         return b""  # an empty ExportTraceServiceResponse
 
     def stop(self) -> None:

@@ -103,9 +103,10 @@ def traced_mesh(
     phoenix: tuple[str, str], small_mesh: dict[str, Any], otlp_relay: OtlpRelay
 ) -> Iterator[dict[str, Any]]:
     """The chat and image paths, every service's span batches reaching Phoenix."""
+    # Once Phoenix listens: a channel that found nobody there backs off for a while.
+    wait_ready(phoenix[0], 180)
     otlp_relay.add(phoenix[1])
     try:
-        wait_ready(phoenix[0], 180)
         yield small_mesh
     finally:
         otlp_relay.remove(phoenix[1])
