@@ -34,6 +34,10 @@ from shared.wireformat import WireError, infer_header, stream_answer, with_id
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 STREAM_REQUESTS = 256
 """Requests a stream takes before a new one replaces it."""
+ACCEPT_TIMEOUT_S = 2.0
+"""How long a new stream's server has to say that it forwards (a meshserve stage
+says so at once; a server that sends its headers only with its first answer
+would never say it, and is then spoken to with ModelInfer)."""
 STREAM_SECONDS = 1.0
 """How long a stream takes new requests before a new one replaces it."""
 
@@ -77,7 +81,13 @@ class ForwardStream:
         """The stage's answer to a serialised ModelInferRequest, its id the caller's;
         the stage's error as its MeshError, Unavailable if the stream broke, and
         NotForwarding when the server does not forward (nothing was sent)."""
-        if not await self._accepted:
+        # Shielded: a caller that goes away must not cancel what the others wait on.
+        try:
+            accepted = await asyncio.wait_for(asyncio.shield(self._accepted), ACCEPT_TIMEOUT_S)
+        except TimeoutError:
+            accepted = False  # a server that sends its headers with its first answer
+        if not accepted:
+            self.cancel()
             raise NotForwarding
         if self._idle is not None:
             self._idle.cancel()
@@ -137,7 +147,8 @@ class ForwardStream:
         try:
             metadata = await self._call.initial_metadata()
             accepted = any(k == FORWARD_HEADER for k, _ in metadata or ())
-            self._accepted.set_result(accepted)
+            if not self._accepted.done():
+                self._accepted.set_result(accepted)
             if not accepted:
                 self._call.cancel()
                 return
