@@ -110,13 +110,11 @@ def run(
 
 
 QUICK = (
-    "--measurement-mode",
-    "count_windows",
-    "--measurement-request-count",
-    "30",
+    "--measurement-interval",
+    "250",
     "--stability-percentage",
     "1000",
     "--max-trials",
     "4",
 )
-"""A short run for tests: windows of 30 requests, any spread accepted as stable."""
+"""A short run for tests: windows of 250 ms, any spread accepted as stable."""

@@ -24,7 +24,7 @@ from tests.harness import ROOT
 
 EXAMPLES = ROOT / "tests" / "data" / "python_examples"
 MESH = """
-defaults: { host: 127.0.0.1, grace_period_s: 3 }
+defaults: { host: 127.0.0.1, grace_period_s: 1 }
 services: {}
 supervisor:
   stages:
@@ -47,7 +47,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         shutil.copytree(EXAMPLES / model, folder / "models" / model)
     config = folder / "mesh.yaml"
     config.write_text(MESH)
-    proc, info = start_mesh(folder / "models", config, ["--grace-s", "3"])
+    proc, info = start_mesh(folder / "models", config, ["--grace-s", "1"])
     yield {**info, "folder": folder}
     stop_mesh(proc)
 
