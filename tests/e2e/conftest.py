@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.e2e.lora_repository import with_adapters
 from tests.e2e.small_mesh import OtlpRelay, start_small_mesh
 from tests.harness import ROOT, RUNNING, log_tail, new_log
 from tests.otlp import OtlpReceiver
@@ -83,12 +84,14 @@ def mesh(
     prepared_repository: Path, otlp: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Any]]:
     """Every service of the default mesh, exporting spans to the mesh's own trace store
-    (as by default), which forwards every batch to the test's receiver too."""
+    (as by default), which forwards every batch to the test's receiver too; its
+    smollm2 serves LoRA adapters, the prepared one among them (lora_repository.py)."""
     document = yaml.safe_load((ROOT / "deploy" / "local" / "mesh.yaml").read_text())
     document["services"].setdefault("tracestore", {})["forward_endpoint"] = otlp.endpoint
     config = tmp_path_factory.mktemp("mesh") / "mesh.yaml"
     config.write_text(yaml.safe_dump(document))
-    proc, info = start_mesh(prepared_repository, config, [])
+    repository = with_adapters(prepared_repository, tmp_path_factory.mktemp("lora"))
+    proc, info = start_mesh(repository, config, [])
     yield info
     stop_mesh(proc)
 
