@@ -336,6 +336,7 @@ def run_batch_seconds(
     command = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch"]
     command += ["-i", str(source), "-o", str(target), *flags]
     env = {**__import__("os").environ, "VLLM_RPC_BASE_PATH": str(work), "TMPDIR": str(work)}
+    machine = machine_cpu_seconds()
     began, cpu = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
     with (work / "run_batch.log").open("w") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -343,7 +344,9 @@ def run_batch_seconds(
     seconds = time.monotonic() - began
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime
-    print(f"vLLM run_batch: {cpu_s:.1f} CPU seconds in all (its engine's start included)")
+    busy = (machine_cpu_seconds() - machine) / max(1.0, seconds)
+    print(f"vLLM run_batch: {cpu_s:.1f} CPU seconds in all (its engine's start included);"
+          f" the machine kept {busy:.1f} cores busy on average meanwhile")  # fmt: skip
     # Its progress bar's elapsed time: the batch alone, without the engine's start.
     log_text = (work / "run_batch.log").read_text()
     bars = re.findall(r"Running batch: 100%.*?\[(\d+):(\d+)", log_text)
@@ -461,7 +464,7 @@ def run_batch(args: argparse.Namespace, work: Path) -> None:
     mesh_rate, vllm_rate = mesh_tokens / mesh_s, vllm_tokens / max(1.0, vllm_s)
     running, waiting = occupancy.means()
     print(f"job API: the engine ran {running:.1f} requests on average ({waiting:.1f} waiting);"
-          f" CPU seconds over the job ({machine:.0f} s on the whole machine):")  # fmt: skip
+          f" CPU seconds over the job ({machine / mesh_s:.1f} cores busy in all):")  # fmt: skip
     for name, seconds in sorted(used.items(), key=lambda item: -item[1]):
         per_token = 1000 * seconds / max(1, mesh_tokens)
         print(f"  {name:<22} {seconds:7.1f} s  {per_token:6.2f} ms/token")
