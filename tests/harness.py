@@ -42,6 +42,21 @@ RUNNING: dict[int, tuple[str, Path]] = {}
 A failed test's report shows the end of each log."""
 
 
+def scrape_metrics(port: int) -> Samples:
+    """The samples a process serves on 127.0.0.1:port/metrics, by name and labels."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    samples: Samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            name, _, labels = series.partition("{")
+            pairs = re.findall(r'(\w+)="([^"]*)"', labels)
+            samples[name, frozenset(pairs)] = float(value)
+    return samples
+
+
 def new_log(module: str) -> Path:
     """A fresh file for a process's stderr, removed when the test process exits."""
     return Path(tempfile.mkstemp(prefix=f"{module}-", suffix=".log", dir=_LOGS)[1])
@@ -110,17 +125,7 @@ class ServiceProcess:
 
     def metrics(self) -> Samples:
         """Scrape the service's /metrics endpoint."""
-        url = f"http://127.0.0.1:{self.info['metrics_port']}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            text = response.read().decode()
-        samples: Samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                series, _, value = line.rpartition(" ")
-                name, _, labels = series.partition("{")
-                pairs = re.findall(r'(\w+)="([^"]*)"', labels)
-                samples[name, frozenset(pairs)] = float(value)
-        return samples
+        return scrape_metrics(self.info["metrics_port"])
 
     def signal(self, sig: int) -> None:
         """Send a signal to the service's own PID."""

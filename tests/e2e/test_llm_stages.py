@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,7 @@ from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from services.postprocess.detokenize import IncrementalDecoder
 from shared.tensors import decode_outputs, encode_inputs
-from tests.harness import RUNNING, Samples, run_client
+from tests.harness import RUNNING, Samples, run_client, scrape_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -72,17 +70,7 @@ class Stage:
 
     def metrics(self) -> Samples:
         """Scrape the stage's /metrics endpoint."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            text = response.read().decode()
-        samples: Samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                series, _, value = line.rpartition(" ")
-                name, _, labels = series.partition("{")
-                pairs = re.findall(r'(\w+)="([^"]*)"', labels)
-                samples[name, frozenset(pairs)] = float(value)
-        return samples
+        return scrape_metrics(self.metrics_port)
 
 
 @pytest.fixture(scope="module")
