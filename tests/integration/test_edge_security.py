@@ -252,8 +252,10 @@ def test_admin_interface_is_not_on_tcp(mesh: dict[str, Any]) -> None:
     listening = {
         c.laddr.port for c in envoy.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN
     }
-    # The edge and TorchServe's management listener; no admin port.
-    assert listening == {int(mesh["edge"].rsplit(":", 1)[1]), management_port(mesh)}
+    # The edge, TorchServe's management listener and the statistics listener
+    # (which passes only /stats/prometheus to the admin); no admin port.
+    stats = mesh["processes"]["envoy"]["metrics_port"]
+    assert listening == {int(mesh["edge"].rsplit(":", 1)[1]), management_port(mesh), stats}
     # The admin socket lies beside the bootstrap Envoy was started with.
     bootstrap = Path(envoy.cmdline()[envoy.cmdline().index("-c") + 1])
     admin = bootstrap.parent / "admin.sock"
