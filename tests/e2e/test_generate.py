@@ -100,9 +100,9 @@ def test_generate_without_max_tokens_stops_at_sixteen(edge: str) -> None:
         ("llm/generate", {"prompt": "hi"}, 400, ["unexpected field 'prompt'"]),
         (
             "llm/generate_stream",
-            {"text_input": "hi", "parameters": {"min_tokens": 2}},
+            {"text_input": "hi", "parameters": {"best_of": 2}},
             400,
-            ["parameters.min_tokens"],
+            ["parameters.best_of"],
         ),
         (
             "llm/generate",
