@@ -101,7 +101,7 @@ class ForwardStream:
                 await self._call.write(with_id(request, tag))
             return with_id(await answer, caller_id)
         except grpc.aio.AioRpcError as exc:
-            raise failure(exc) from exc
+            raise _broken(exc) from exc
         except (asyncio.InvalidStateError, grpc.aio.UsageError):
             raise Unavailable("the stage stream closed with the request unsent") from None
         finally:
@@ -155,7 +155,7 @@ class ForwardStream:
             async for message in self._call:
                 self._answer(message)
         except grpc.aio.AioRpcError as exc:
-            ended = failure(exc)
+            ended = _broken(exc)
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED and not self._accepted.done():
                 self._accepted.set_result(False)  # a v2 server without streams
         except asyncio.CancelledError:
@@ -181,3 +181,15 @@ class ForwardStream:
             waiting.set_exception(stream_failure(pb.ModelStreamInferResponse.FromString(message)))
         else:
             waiting.set_result(answer)
+
+
+def _broken(exc: grpc.aio.AioRpcError) -> MeshError:
+    """The error of the requests a stream carried when the call itself failed.
+
+    A stage answers a request's own error in-band; a failure of the whole call
+    means the stream broke (the stage went away mid-write: gRPC may report that
+    as INTERNAL or UNKNOWN), so its requests went unanswered: UNAVAILABLE, which
+    the router retries on another replica."""
+    if exc.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+        return Unavailable(f"the stage stream broke: {exc.details() or exc.code().name}")
+    return failure(exc)
