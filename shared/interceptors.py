@@ -36,6 +36,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from shared.errors import GENERIC_INTERNAL_MESSAGE, InvalidArgument, MeshError, Unavailable
+from shared.servicer import FORWARD_HEADER, FORWARD_UNARY
 from shared.trace_ids import TRACEPARENT, traceparent
 from shared.tracing import (
     extract_context,
@@ -280,6 +281,8 @@ class TracingInterceptor(_HandlerWrapper):
     ) -> Behavior:
         method: str = details.method
         parent = extract_context(details.invocation_metadata)
+        if bidirectional and _forwards(details.invocation_metadata):
+            return self._forwarded(behavior, parent)
         if bidirectional:
             return around(behavior, functools.partial(self._first_request_span, method, parent))
         if inspect.isasyncgenfunction(behavior):
@@ -368,6 +371,111 @@ class TracingInterceptor(_HandlerWrapper):
         finally:
             for span in spans:
                 span.end()
+
+    def _forwarded(self, behavior: Behavior, parent: otel_context.Context) -> Behavior:
+        """A stream of forwarded unary requests (``FORWARD_HEADER``): each request
+        gets the server span a ModelInfer of its own would have had, from the
+        trace context its parameters carry, current in the task that answers it
+        and ended as its answer is written; the stream itself has none."""
+
+        def scope(requests: AsyncIterator[Any], context: Any) -> tuple[Any, _Answering]:
+            spans: dict[str, trace.Span] = {}
+
+            def see(request: Any) -> None:
+                # Current from here on in the task reading the requests, which
+                # then starts the request's own task (it inherits the context).
+                otel_context.attach(self._request_context(request, parent, spans))
+
+            return _SeenRequests(requests, see), _Answering(context, spans)
+
+        if inspect.isasyncgenfunction(behavior):
+
+            async def streamed(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+                seen, answering = scope(requests, context)
+                try:
+                    async with contextlib.aclosing(behavior(seen, answering)) as items:
+                        async for item in items:
+                            answering.answered(item)
+                            yield item
+                finally:
+                    answering.end_unanswered()
+
+            return streamed
+
+        async def written(requests: AsyncIterator[Any], context: Any) -> Any:
+            seen, answering = scope(requests, context)
+            try:
+                return await behavior(seen, answering)
+            finally:
+                answering.end_unanswered()
+
+        return written
+
+    def _request_context(
+        self, request: Any, parent: otel_context.Context, spans: dict[str, trace.Span]
+    ) -> otel_context.Context:
+        """The context a forwarded request runs in: its own server span's, when its
+        trace is sampled here; its caller's context when not (the ids still reach
+        the logs); the stream's when it carries none."""
+        carried = pop_parameters_context(request.parameters)
+        if carried is None:
+            return parent
+        caller = trace.get_current_span(carried)
+        if self._silent or not caller.get_span_context().trace_flags.sampled:
+            return carried
+        span = self._tracer.start_span(
+            FORWARDED_METHOD, context=carried, kind=SpanKind.SERVER, attributes=_FORWARDED
+        )
+        _label(span, request)
+        spans[request.id] = span
+        return trace.set_span_in_context(span)
+
+
+FORWARDED_METHOD = "inference.GRPCInferenceService/ModelInfer"
+"""The span name of a forwarded request: the RPC it stands for."""
+_FORWARDED = {"rpc.system": "grpc", "rpc.service": "inference.GRPCInferenceService"}
+_FORWARDED |= {"rpc.method": "ModelInfer"}
+
+
+def _forwards(metadata: Iterable[tuple[str, Any]] | None) -> bool:
+    """True for a stream whose caller forwards unary requests on it."""
+    return any(k == FORWARD_HEADER and v == FORWARD_UNARY for k, v in metadata or ())
+
+
+class _Answering:
+    """A forwarded stream's servicer context whose ``write`` ends the span of the
+    request that the message answers (by the request's id, which its answer
+    echoes), with an error status for an in-band error; anything else is the
+    real context's."""
+
+    def __init__(self, context: Any, spans: dict[str, trace.Span]) -> None:
+        self._context = context
+        self._spans = spans
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def write(self, message: Any) -> None:
+        """End the answered request's span, then write its answer."""
+        self.answered(message)
+        await self._context.write(message)
+
+    def answered(self, message: Any) -> None:
+        """End the span of the request ``message`` (a ModelStreamInferResponse) answers."""
+        if not self._spans:
+            return
+        span = self._spans.pop(message.infer_response.id, None)
+        if span is None:
+            return
+        if message.error_message:
+            span.set_status(Status(StatusCode.ERROR, message.error_message))
+        span.end()
+
+    def end_unanswered(self) -> None:
+        """End the spans of the requests left unanswered (the stream ended first)."""
+        for span in self._spans.values():
+            span.end()
+        self._spans.clear()
 
 
 def _label(span: trace.Span, request: Any) -> None:

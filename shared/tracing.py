@@ -9,7 +9,8 @@ requests, each request carries them as string parameters of the same names.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from opentelemetry import context as otel_context
@@ -21,6 +22,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from shared.otlp_export import OtlpGrpcExporter
+from shared.trace_ids import traceparent
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 
@@ -85,6 +87,37 @@ def inject_parameters(parameters: Any) -> None:
     _PROPAGATOR.inject(carrier)
     for key, value in carrier.items():
         parameters[key].string_param = value
+
+
+def current_carrier() -> dict[str, str]:
+    """The current trace context as W3C fields (empty outside any trace): what a
+    request carries in its parameters on a stream (``pop_parameters_context``)."""
+    span = trace.get_current_span()
+    header = traceparent(span)
+    if header is None:
+        return {}
+    state = span.get_span_context().trace_state
+    if state:
+        return {"traceparent": header, "tracestate": state.to_header()}
+    return {"traceparent": header}
+
+
+@contextlib.contextmanager
+def client_span(tracer: trace.Tracer, method: str) -> Iterator[None]:
+    """A client span for a call to ``method`` (``/service/Method``) made as a message
+    on a stream, current while it runs, as the client interceptor opens for an RPC
+    of its own: none when the current span is already the call's client span (an
+    ensemble step's) or records nothing."""
+    current = trace.get_current_span()
+    if getattr(current, "kind", None) is trace.SpanKind.CLIENT or not current.is_recording():
+        yield
+        return
+    service, _, name = method.lstrip("/").rpartition("/")
+    attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
+    with tracer.start_as_current_span(
+        method.lstrip("/"), kind=trace.SpanKind.CLIENT, attributes=attributes
+    ):
+        yield
 
 
 def pop_parameters_context(parameters: Any) -> otel_context.Context | None:

@@ -14,13 +14,14 @@ winning, so a field is also *set* on a serialised message by appending it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 _LENGTH_DELIMITED = 2
 _FIXED = {1: 8, 5: 4}
 """Wire types of fixed size -> their byte count (64-bit, 32-bit)."""
 _VARINT = 0
-_MODEL_NAME, _MODEL_VERSION, _ID = 1, 2, 3
+_MODEL_NAME, _MODEL_VERSION, _ID, _PARAMETERS = 1, 2, 3, 4
 """Field numbers shared by ModelInferRequest and ModelInferResponse."""
 
 
@@ -108,15 +109,28 @@ def _encode_varint(value: int) -> bytes:
     return bytes(out)
 
 
+def _length_delimited(number: int, payload: bytes) -> bytes:
+    return _encode_varint(number << 3 | _LENGTH_DELIMITED) + _encode_varint(len(payload)) + payload
+
+
 def string_field(number: int, value: str) -> bytes:
     """One length-delimited field, serialised (append it to set the field)."""
-    encoded = value.encode()
-    return _encode_varint(number << 3 | _LENGTH_DELIMITED) + _encode_varint(len(encoded)) + encoded
+    return _length_delimited(number, value.encode())
 
 
 def with_id(data: bytes, request_id: str) -> bytes:
     """A serialised ModelInferRequest or ModelInferResponse with its id set."""
     return data + string_field(_ID, request_id)
+
+
+def with_string_parameters(data: bytes, parameters: Mapping[str, str]) -> bytes:
+    """A serialised ModelInferRequest with each of ``parameters`` set as a
+    ``string_param`` (a map entry appended: the last entry of a key wins)."""
+    for key, value in parameters.items():
+        # map<string, InferParameter> entry: key = 1, value = 2 {string_param = 3}.
+        entry = string_field(1, key) + _length_delimited(2, string_field(3, value))
+        data += _length_delimited(_PARAMETERS, entry)
+    return data
 
 
 def stream_answer(data: bytes) -> tuple[str, bytes]:

@@ -106,10 +106,9 @@ class Orchestrator:
     ) -> bytes:
         """A serialised ModelInferRequest for a stage model (``forwards``), answered
         by the stage hosting it; neither message is decoded here. Without a
-        deadline and outside a trace it travels as a message on an open stream
+        deadline it travels as a message on an open stream
         (services/orchestrator/forward_stream.py)."""
-        untraced = not trace.get_current_span().get_span_context().is_valid
-        on_stream = request_id if timeout_s is None and untraced else None
+        on_stream = request_id if timeout_s is None else None
         return await self.router.forward(model, request, timeout_s, on_stream)
 
     async def _infer(

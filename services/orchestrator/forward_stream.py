@@ -6,8 +6,10 @@ request passes the orchestrator untouched anyway. So requests without a
 deadline and outside any trace are written, still serialised, on a
 ModelStreamInfer call per channel that says it forwards (``FORWARD_HEADER``):
 the stage answers each as ModelInfer would. A request with a deadline keeps
-its own RPC (the deadline and a cancel then reach the stage), and so does a
-traced one (the stage's span is the request's own).
+its own RPC (the deadline and a cancel then reach the stage). A traced one
+carries its trace context in its parameters, set on the wire like its id, and
+the stage opens its server span from them (``shared.interceptors``), so
+traced and untraced requests take the same path.
 
 Answers come back in any order: each request carries an id of the stream's own
 (set on the wire, ``shared.wireformat``), and its answer is found by it and
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import grpc
 
@@ -29,7 +31,13 @@ from inference import grpc_service_pb2 as pb
 from shared.errors import MeshError, Unavailable
 from shared.rpc import failure
 from shared.servicer import FORWARD_HEADER, FORWARD_UNARY, stream_failure
-from shared.wireformat import WireError, infer_header, stream_answer, with_id
+from shared.wireformat import (
+    WireError,
+    infer_header,
+    stream_answer,
+    with_id,
+    with_string_parameters,
+)
 
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 STREAM_REQUESTS = 256
@@ -77,9 +85,12 @@ class ForwardStream:
             return False
         return True
 
-    async def infer(self, request: bytes, caller_id: str) -> bytes:
+    async def infer(
+        self, request: bytes, caller_id: str, carried: Mapping[str, str] | None = None
+    ) -> bytes:
         """The stage's answer to a serialised ModelInferRequest, its id the caller's;
-        the stage's error as its MeshError, Unavailable if the stream broke, and
+        ``carried``: its trace context (``shared.tracing.current_carrier``). The
+        stage's error as its MeshError, Unavailable if the stream broke, and
         NotForwarding when the server does not forward (nothing was sent)."""
         # Shielded: a caller that goes away must not cancel what the others wait on.
         try:
@@ -98,7 +109,8 @@ class ForwardStream:
         self._sent += 1
         try:
             async with self._writing:
-                await self._call.write(with_id(request, tag))
+                sent = with_id(request, tag)
+                await self._call.write(with_string_parameters(sent, carried) if carried else sent)
             return with_id(await answer, caller_id)
         except grpc.aio.AioRpcError as exc:
             raise _broken(exc) from exc

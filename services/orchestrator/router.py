@@ -45,6 +45,7 @@ from services.orchestrator.stage_stream import StageStream
 from shared.channels import open_channels
 from shared.errors import Cancelled, InvalidArgument, MeshError, NotFound, Unavailable
 from shared.rpc import remote
+from shared.tracing import client_span, current_carrier
 
 if TYPE_CHECKING:
     # Exists in the generated stubs' types only: the stub of a grpc.aio channel.
@@ -96,7 +97,7 @@ class Endpoint:
     """ModelInfer without (de)serialisers, one per channel: a request forwarded as it is."""
     plain_channels: list[grpc.aio.Channel] = field(default_factory=list)
     """Channels without the trace interceptors, for the streams of forwarded requests
-    (which carry no trace); they connect on first use."""
+    (each request carries its own trace); they connect on first use."""
     forward_streams: dict[int, ForwardStream] = field(default_factory=dict)
     """Channel index -> its stream carrying forwarded requests (forward_stream.py)."""
     retiring_streams: set[ForwardStream] = field(default_factory=set)
@@ -251,6 +252,7 @@ class StageRouter:
         self.addresses = list(addresses)
         self._spare_streams = spare_streams
         self._channel_settings = (channels_per_endpoint, max_message_bytes, tracer)
+        self._tracer = tracer
         # Channels are opened in start(): grpc.aio binds them to the running loop.
         self.endpoints: list[Endpoint] = []
         self.refresh_interval_s = refresh_interval_s
@@ -473,12 +475,15 @@ class StageRouter:
         """A serialised ModelInferRequest answered by a replica of ``model``, the
         answer serialised as the replica sent it (retried as ``call`` is). With
         ``on_stream`` (the request's id) it travels on a stream of forwarded
-        requests where the replica has them (forward_stream.py), else as a ModelInfer."""
+        requests where the replica has them (forward_stream.py), its trace context
+        with it, else as a ModelInfer."""
 
         async def invoke(endpoint: Endpoint) -> bytes:
             if on_stream is not None and endpoint.forwards_on_streams:
                 try:
-                    return await endpoint.forward_stream().infer(request, on_stream)
+                    with client_span(self._tracer, INFER_METHOD):
+                        stream = endpoint.forward_stream()
+                        return await stream.infer(request, on_stream, current_carrier())
                 except NotForwarding:
                     endpoint.forwards_on_streams = False
             answer: bytes = await endpoint.raw_infer()(request, timeout=timeout_s)

@@ -190,9 +190,9 @@ class EnsembleRunner:
         self, request: pb.ModelInferRequest, deadline: Deadline
     ) -> pb.ModelInferResponse:
         timeout = deadline.remaining()
-        if timeout is None and not trace.get_current_span().get_span_context().is_valid:
-            # No deadline to pass on and no trace to continue: as a forwarded request,
-            # a message on an open stream (forward_stream.py), which costs the
+        if timeout is None:
+            # No deadline to pass on: as a forwarded request, a message on an open
+            # stream with its trace context (forward_stream.py), which costs the
             # orchestrator and the stage less than a new RPC.
             answer = await self.router.forward(
                 request.model_name, request.SerializeToString(), None, request.id

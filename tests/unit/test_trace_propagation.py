@@ -19,8 +19,19 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
+from shared.errors import InvalidArgument
 from shared.interceptors import DrainGate, ErrorInterceptor, TracingInterceptor, client_interceptors
-from shared.tracing import inject_metadata, inject_parameters, make_tracer_provider, tracer_for
+from shared.servicer import FORWARD_HEADER, BaseServicer
+from shared.tracing import (
+    current_carrier,
+    inject_metadata,
+    inject_parameters,
+    make_tracer_provider,
+    tracer_for,
+)
+from shared.wireformat import with_id, with_string_parameters
+
+STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 
 class Echo(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
@@ -169,6 +180,65 @@ def test_a_stream_opened_ahead_joins_its_first_requests_trace() -> None:
     assert sorted(s.kind.name for s in spans) == ["INTERNAL", "SERVER"], [s.name for s in spans]
     (server,) = [s for s in spans if s.kind.name == "SERVER"]
     assert server.parent is not None and server.parent.span_id == caller_span_id
+
+
+def test_each_request_forwarded_on_a_stream_gets_its_own_server_span() -> None:
+    """On a stream that forwards unary requests (as the orchestrator's are, opened
+    outside any trace), each request's server span is its own, parented from the
+    context its parameters carry (set on the wire), current while the stage answers
+    it, and failed with its in-band error; a request that carries no trace or an
+    unsampled one records nothing, and the stream itself has no span."""
+    exporter, tracer = _recording_tracer()
+    current: dict[str, int] = {}
+
+    class Stage(BaseServicer):
+        async def ModelInfer(self, request: Any, context: Any) -> Any:
+            assert sorted(request.parameters) == ["priority"]  # the trace fields are gone
+            current[request.id] = trace.get_current_span().get_span_context().span_id
+            await asyncio.sleep(0.01 if request.id == "~0" else 0)  # answered out of order
+            if request.model_name == "bad":
+                raise InvalidArgument("input 'X' is missing")
+            return pb.ModelInferResponse(id=request.id)
+
+    async def main() -> dict[str, int]:
+        server, port = await _serve(Stage(), tracer)
+        callers = {}
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = channel.stream_stream(STREAM_METHOD)(metadata=((FORWARD_HEADER, "unary"),))
+                for index, model in enumerate(["m", "bad", "m", "m"]):
+                    request = pb.ModelInferRequest(model_name=model)
+                    request.parameters["priority"].int64_param = 1
+                    data = with_id(request.SerializeToString(), f"~{index}")
+                    flags = "00" if index == 3 else "01"
+                    if index != 2:
+                        with tracer.start_as_current_span(f"caller {index}") as caller:
+                            callers[f"~{index}"] = caller.get_span_context().span_id
+                            carried = current_carrier()
+                        carried["traceparent"] = carried["traceparent"][:-2] + flags
+                        data = with_string_parameters(data, carried)
+                    await call.write(data)
+                await call.done_writing()
+                answers = [pb.ModelStreamInferResponse.FromString(m) async for m in call]
+                assert sorted(a.infer_response.id for a in answers) == ["~0", "~1", "~2", "~3"]
+        finally:
+            await server.stop(None)
+        return callers
+
+    callers = asyncio.run(main())
+    servers = [s for s in exporter.get_finished_spans() if s.kind.name == "SERVER"]
+    assert len(servers) == 2, [s.name for s in exporter.get_finished_spans()]
+    by_parent = {s.parent.span_id: s for s in servers if s.parent is not None}
+    assert set(by_parent) == {callers["~0"], callers["~1"]}
+    for tag in ("~0", "~1"):
+        span = by_parent[callers[tag]]
+        assert span.name == "inference.GRPCInferenceService/ModelInfer"
+        assert span.context.span_id == current[tag]  # current while it was answered
+    assert by_parent[callers["~0"]].status.is_ok
+    failed = by_parent[callers["~1"]]
+    assert failed.attributes is not None and failed.attributes["meshserve.model"] == "bad"
+    assert not failed.status.is_ok and "input 'X'" in (failed.status.description or "")
+    assert current["~2"] == 0  # no trace: no span current
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from inference import grpc_service_pb2 as pb
-from shared.wireformat import WireError, infer_header, with_id
+from shared.wireformat import WireError, infer_header, with_id, with_string_parameters
 
 
 def _text(rng: random.Random) -> str:
@@ -43,6 +43,20 @@ def test_setting_the_id_on_the_wire_changes_only_the_id() -> None:
     assert amended.id == "caller"
     assert amended.raw_output_contents[0] == b"\x00" * 40
     assert pb.ModelInferResponse.FromString(with_id(amended.SerializeToString(), "")).id == ""
+
+
+def test_parameters_set_on_the_wire_read_as_protobuf_sets_them() -> None:
+    request = pb.ModelInferRequest(model_name="m", id="1")
+    request.parameters["traceparent"].string_param = "old"
+    request.parameters["priority"].int64_param = 2
+    request.raw_input_contents.append(b"\x01" * 300)
+    carried = {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01", "tracestate": "k=é"}
+    amended = pb.ModelInferRequest.FromString(
+        with_string_parameters(request.SerializeToString(), carried)
+    )
+    assert {k: v.string_param for k, v in amended.parameters.items() if k != "priority"} == carried
+    assert amended.parameters["priority"].int64_param == 2
+    assert amended.raw_input_contents[0] == b"\x01" * 300
 
 
 @pytest.mark.parametrize(
