@@ -40,6 +40,7 @@ from typing import Any
 
 import yaml
 
+from deploy.local.http_front_door import place_front_door
 from deploy.local.placement import CorePlacer, Placement
 from deploy.local.port_plan import Listener, PortPlanError, check_ports
 from deploy.local.redis_server import plan_jobs
@@ -198,10 +199,13 @@ async def supervise(args: argparse.Namespace) -> int:
         stage_specs, orchestrator_spec, edge_specs = plan(
             mesh, repository, args.ports == "auto", {k: int(v) for k, v in replicas.items()}
         )
+        orchestrator_spec, edge_specs, front_door = place_front_door(
+            mesh, orchestrator_spec, edge_specs
+        )
         host = (mesh.get("defaults") or {}).get("host", "127.0.0.1")
         jobs = plan_jobs(mesh, args.ports == "auto", f"{host}:{orchestrator_spec.grpc_port}")
         stage_specs, edge_specs = [*stage_specs, *jobs.redis], [*edge_specs, *jobs.workers]
-        planned = listeners([*stage_specs, orchestrator_spec, *edge_specs])
+        planned = [*listeners([*stage_specs, orchestrator_spec, *edge_specs]), *front_door]
         auto = args.ports == "auto"
         traces = plan_traces(mesh, auto, host, [p.port for p in planned], free_port)
         edge_specs = route_edge(edge_specs, traces)

@@ -2,13 +2,15 @@
 
 ``python -m gateway.http.main --orchestrator 127.0.0.1:8001 --http-port 8007``
 
+The same front door can run inside the orchestrator instead (its ``http_port``;
+docs/http-front-door.md): one hop less. This process is for meshes that keep
+the front door apart (Kubernetes' http-adapter Deployment, a local mesh with
+``supervisor.http_front_door: process``).
+
 When ready it prints ``MESHSERVE_READY {json}`` like every service, with its
 HTTP address under ``http`` and, so launchers that read ``grpc`` as "the
 service's address" work unchanged, the same address under ``grpc``.
-On SIGTERM: readiness turns 400 and new requests get 503, the listener
-closes, in-flight requests get ``grace_period_s`` to finish; a streamed answer
-still open then ends with an error event (no ``[DONE]``), so its client knows
-it was cut short; then the gRPC channels close.
+On SIGTERM the front door drains (front_door.py), then the gRPC channels close.
 """
 
 from __future__ import annotations
@@ -19,28 +21,29 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from aiohttp import web
 from pydantic import Field
 
-from gateway.http.app import AdapterState, build_app
+from gateway.http.app import AdapterState
+from gateway.http.front_door import CUT_REASON, FrontDoor, HttpSettings, drain
 from gateway.http.torchserve_store import ModelStore
 from gateway.http.upstream import Upstream
 from shared.channels import use_mesh_tls
-from shared.config import ServiceConfig, load_config
+from shared.config import load_config
 from shared.launch import READY_MARKER
 from shared.metrics_http import start_metrics_server
 from shared.mtls import MeshTls
 from shared.server import setup_logging
 from shared.tracing import make_tracer_provider, tracer_for
 
+__all__ = ["CUT_REASON", "HttpAdapterConfig", "drain", "main", "serve"]
+
 log = logging.getLogger(__name__)
 
 SERVICE = "http_adapter"
 
 
-class HttpAdapterConfig(ServiceConfig):
+class HttpAdapterConfig(HttpSettings):
     """Settings of the HTTP adapter (KServe v2 REST and OpenAI API)."""
 
     http_port: int = Field(8007, ge=0, le=65535)
@@ -49,39 +52,11 @@ class HttpAdapterConfig(ServiceConfig):
     """Ignored: the adapter serves no gRPC (accepted so launchers pass it uniformly)."""
     orchestrator: str = Field("127.0.0.1:8001", pattern=r"^\S+:\d{1,5}$")
     """The orchestrator's KServe v2 gRPC address (host:port)."""
-    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024, le=2**31 - 1)
-    """Largest request body, also after gzip/deflate inflation; larger gets 413."""
     channels: int = Field(4, ge=1, le=64)
     """gRPC connections to the orchestrator; calls go round robin over them."""
-    request_timeout_s: float = Field(300.0, gt=0.0, le=3600.0)
-    """Deadline of each call to the orchestrator; past it the caller gets 504."""
-    model_store: Path | None = None
-    """TorchServe's model store: the folder its management API registers .mar files from."""
-    model_repository: Path | None = None
-    """The mesh's model repository, where registered archives become model folders."""
 
 
-CUT_REASON = "the HTTP adapter shut down before the answer finished; retry on another replica"
-
-
-async def drain(runner: web.BaseRunner, state: AdapterState, grace_s: float) -> None:
-    """Refuse new work, give in-flight requests ``grace_s`` (the runner's shutdown
-    timeout), cut the streams still open with an error event, then close."""
-    state.draining = True
-    loop = asyncio.get_running_loop()
-    # aiohttp cancels the handlers still running after grace_s and drops their
-    # connections at once: the streams are cut a little before, so their error
-    # events go out first.
-    cutting = loop.call_later(grace_s - min(1.0, grace_s / 4), state.streams.cut, CUT_REASON)
-    try:
-        await runner.cleanup()
-    finally:
-        cutting.cancel()
-
-
-def _announce(config: HttpAdapterConfig, runner: web.AppRunner, metrics_port: int | None) -> str:
-    host, port = runner.addresses[0][:2]
-    address = f"{host}:{port}"
+def _announce(config: HttpAdapterConfig, address: str, metrics_port: int | None) -> None:
     info = {
         "service": config.service_name,
         "grpc": address,
@@ -89,7 +64,6 @@ def _announce(config: HttpAdapterConfig, runner: web.AppRunner, metrics_port: in
         "metrics_port": metrics_port,
     }
     print(f"{READY_MARKER} {json.dumps(info)}", flush=True)
-    return address
 
 
 async def serve(config: HttpAdapterConfig) -> None:
@@ -111,33 +85,23 @@ async def serve(config: HttpAdapterConfig) -> None:
     )
     state = AdapterState(upstream, tracer, config.max_body_bytes)
     state.model_store = ModelStore(config.model_store, config.model_repository)
-    # auto_decompress off: rest.decode_body inflates with the body limit applied.
-    # handler_cancellation: a client that disconnects cancels its handler, and so
-    # its gRPC call (an abandoned LLM generation stops instead of running on).
-    runner = web.AppRunner(
-        build_app(state),
-        access_log=None,
-        auto_decompress=False,
-        handler_cancellation=True,
-        shutdown_timeout=config.grace_period_s,
-    )
+    door = FrontDoor(state, config.grace_period_s)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     metrics = None
     try:
-        await runner.setup()
         ssl_context = tls.server_ssl_context() if tls is not None else None
-        await web.TCPSite(runner, config.host, config.http_port, ssl_context=ssl_context).start()
+        address = await door.start(config.host, config.http_port, ssl_context)
         if config.metrics_port >= 0:
             metrics = start_metrics_server(config.host, config.metrics_port, state.registry)
-        address = _announce(config, runner, metrics.server_address[1] if metrics else None)
+        _announce(config, address, metrics.server_address[1] if metrics else None)
         log.info("%s listening on http://%s -> %s", SERVICE, address, config.orchestrator)
         await stop.wait()
         log.info("%s draining (grace %.1fs)", SERVICE, config.grace_period_s)
     finally:
-        await drain(runner, state, config.grace_period_s)
+        await door.drain()
         await upstream.close()
         if metrics is not None:
             metrics.shutdown()

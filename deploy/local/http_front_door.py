@@ -1,0 +1,59 @@
+"""Where the local mesh serves HTTP: in the orchestrator, or in an HTTP adapter process.
+
+``supervisor.http_front_door`` in the mesh YAML:
+
+    orchestrator   the orchestrator serves the HTTP front door itself (it runs as
+                   gateway/http/in_orchestrator.py), on the port
+                   planned for the HTTP adapter (``services.http_adapter.http_port``),
+                   with the adapter's settings from ``services.http_adapter``; Envoy
+                   sends REST there. One process and one gRPC hop less per request.
+    process        the HTTP adapter runs as its own process (gateway/http/main.py),
+                   calling the orchestrator over gRPC (as in Kubernetes).
+
+docs/http-front-door.md says why and what each costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from deploy.local.port_plan import Listener, PortPlanError
+from deploy.local.service_process import ProcessSpec
+
+MODES = ("orchestrator", "process")
+DEFAULT_MODE = "process"
+IN_ORCHESTRATOR = "gateway.http.in_orchestrator"
+"""The orchestrator's entry point with the HTTP front door on its loop."""
+SETTINGS = ("max_body_bytes", "request_timeout_s", "model_store")
+"""The HTTP adapter's settings the orchestrator takes on with its front door."""
+
+
+def front_door_mode(mesh: dict[str, Any]) -> str:
+    """``supervisor.http_front_door``, checked."""
+    mode = str((mesh.get("supervisor") or {}).get("http_front_door", DEFAULT_MODE))
+    if mode not in MODES:
+        raise PortPlanError(
+            f"supervisor.http_front_door must be one of {', '.join(MODES)}, not {mode!r}"
+        )
+    return mode
+
+
+def place_front_door(
+    mesh: dict[str, Any], orchestrator: ProcessSpec, edge: Sequence[ProcessSpec]
+) -> tuple[ProcessSpec, list[ProcessSpec], list[Listener]]:
+    """The orchestrator and edge processes with the HTTP front door where the mesh
+    YAML puts it, and the listener the orchestrator adds to the port plan."""
+    adapters = [spec for spec in edge if spec.stage == "http_adapter"]
+    if front_door_mode(mesh) == "process" or not adapters:
+        return orchestrator, list(edge), []
+    (adapter,) = adapters
+    settings = ((mesh.get("services") or {}).get("http_adapter")) or {}
+    flags: list[str] = ["--http-port", str(adapter.grpc_port)]
+    for name in SETTINGS:
+        if settings.get(name) is not None:
+            flags += [f"--{name.replace('_', '-')}", str(settings[name])]
+    served = replace(orchestrator, module=IN_ORCHESTRATOR, args=(*orchestrator.args, *flags))
+    rest = [spec for spec in edge if spec is not adapter]
+    return served, rest, [Listener("orchestrator", "HTTP", adapter.grpc_port)]

@@ -1,0 +1,216 @@
+"""The HTTP front door inside the orchestrator: the REST app over the core, no gRPC hop.
+
+One mesh in the test's process (tests/in_process.py: python-backend stage and
+orchestrator, real grpc.aio servers on port 0) with the front door listening on
+a real port over its core (gateway/http/in_orchestrator.py), called with
+urllib as a client would. A last test runs the local mesh with
+``supervisor.http_front_door: orchestrator``: Envoy sends REST to the
+orchestrator, and no HTTP adapter process runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import struct
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.http.in_orchestrator import HttpDoor, OrchestratorHttpConfig
+from tests.conftest import DATA, build_repository
+from tests.e2e.conftest import start_mesh, stop_mesh
+from tests.harness import scrape_metrics
+from tests.in_process import MeshThread
+
+TIMEOUT_S = 0.5
+"""The front door's request_timeout_s: the slow model outlasts it on purpose."""
+
+
+class Door:
+    """A front door over the mesh's core, started and drained in the mesh's loop."""
+
+    def __init__(self, thread: MeshThread, registry: CollectorRegistry | None = None) -> None:
+        mesh = thread.mesh
+        parts = mesh.orchestrator.parts
+        if registry is not None:  # a second door beside the first: metrics of its own
+            parts = dataclasses.replace(parts, registry=registry)
+        config = OrchestratorHttpConfig(
+            http_port=0, request_timeout_s=TIMEOUT_S, grace_period_s=2.0
+        )
+        self.thread = thread
+        self.http = HttpDoor(config, mesh.core, parts)
+        self.address = thread.run(self.http.start(mesh.orchestrator.address))
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, dict[str, str], bytes]:
+        url = f"http://{self.address}{path}"
+        request = urllib.request.Request(url, data=body, headers=headers or {}, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as answer:
+                return answer.status, dict(answer.headers), answer.read()
+        except urllib.error.HTTPError as err:
+            return err.code, dict(err.headers), err.read()
+
+    def drain(self) -> None:
+        self.thread.run(self.http.drain())
+
+
+@pytest.fixture(scope="module")
+def thread(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshThread]:
+    repo = tmp_path_factory.mktemp("front-door-repo")
+    for name in ("add_sub", "slow"):
+        shutil.copytree(DATA / "models" / name, repo / name)
+    mesh = MeshThread(repo, grace_s=2)
+    yield mesh
+    mesh.close()
+
+
+@pytest.fixture(scope="module")
+def door(thread: MeshThread) -> Iterator[Door]:
+    opened = Door(thread)
+    yield opened
+    opened.drain()
+
+
+def add_sub_body() -> bytes:
+    tensor = {"shape": [1, 4], "datatype": "FP32"}
+    inputs = [
+        {"name": "INPUT0", **tensor, "data": [1, 2, 3, 4]},
+        {"name": "INPUT1", **tensor, "data": [10, 10, 10, 10]},
+    ]
+    return json.dumps({"inputs": inputs}).encode()
+
+
+def test_rest_infer_json_and_binary_answered_by_the_core(door: Door, thread: MeshThread) -> None:
+    status, _, body = door.call("POST", "/v2/models/add_sub/infer", add_sub_body())
+    assert status == 200, body
+    outputs = {o["name"]: o["data"] for o in json.loads(body)["outputs"]}
+    assert outputs == {"OUTPUT0": [11, 12, 13, 14], "OUTPUT1": [-9, -8, -7, -6]}
+    # The binary extension: the output's bytes after the JSON header.
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 1, 1, 1]},
+                {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": [2, 2, 2, 2]},
+            ],
+            "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    status, headers, body = door.call("POST", "/v2/models/add_sub/infer", header)
+    assert status == 200, body
+    length = int(headers["Inference-Header-Content-Length"])
+    assert struct.unpack("<4f", body[length:]) == (3.0, 3.0, 3.0, 3.0)
+    # The front door's metrics are the orchestrator's, on its registry.
+    registry = thread.mesh.orchestrator.parts.registry
+    labels = {"method": "POST", "route": "/v2/models/{name}/infer", "status": "200"}
+    assert registry.get_sample_value("meshserve_http_requests_total", labels) == 2
+
+
+def test_model_information_readiness_and_the_loopback_calls(door: Door) -> None:
+    status, _, body = door.call("GET", "/v2/models/add_sub")
+    assert status == 200 and json.loads(body)["inputs"][0]["name"] == "INPUT0"
+    assert door.call("GET", "/v2/models/add_sub/ready")[0] == 200
+    assert door.call("GET", "/v2/health/ready")[0] == 200
+    status, _, body = door.call("GET", "/v2/models/add_sub/config")
+    assert status == 200 and json.loads(body)["max_batch_size"] == 8
+    status, _, body = door.call("POST", "/v2/repository/index", b"{}")
+    assert {row["name"] for row in json.loads(body)} == {"add_sub", "slow"}
+    # Server metadata and log settings are the v2 servicer's: over gRPC to this process.
+    status, _, body = door.call("GET", "/v2")
+    assert status == 200 and json.loads(body)["name"] == "meshserve"
+    status, _, body = door.call("GET", "/v2/logging")
+    assert status == 200 and "log_verbose_level" in json.loads(body)
+
+
+def test_errors_keep_their_statuses_and_messages(door: Door) -> None:
+    status, _, body = door.call("POST", "/v2/models/nonexistent/infer", add_sub_body())
+    assert status == 404 and "nonexistent" in json.loads(body)["error"]
+    wrong = add_sub_body().replace(b"[1, 4]", b"[1, 5]", 1)
+    status, _, body = door.call("POST", "/v2/models/add_sub/infer", wrong)
+    assert status == 400 and "INPUT0" in json.loads(body)["error"]
+    slow = {"name": "MS", "shape": [1], "datatype": "INT32", "data": [int(TIMEOUT_S * 3000)]}
+    payload = json.dumps({"inputs": [slow]}).encode()
+    status, _, body = door.call("POST", "/v2/models/slow/infer", payload)
+    assert status == 504 and "request_timeout_s" in json.loads(body)["error"], body
+
+
+def test_drain_lets_the_request_in_flight_finish_and_refuses_new_ones(thread: MeshThread) -> None:
+    door = Door(thread, CollectorRegistry())
+    slow = {"name": "MS", "shape": [1], "datatype": "INT32", "data": [400]}
+    payload = json.dumps({"inputs": [slow]}).encode()
+    answers: list[int] = []
+    caller = threading.Thread(
+        target=lambda: answers.append(door.call("POST", "/v2/models/slow/infer", payload)[0])
+    )
+    caller.start()
+    while not door.http.core.router.endpoints[0].in_flight:
+        threading.Event().wait(0.01)
+    drained = threading.Thread(target=door.drain)
+    drained.start()
+    threading.Event().wait(0.1)
+    assert door.http.door is not None and door.http.door.state.draining
+    caller.join(10)
+    drained.join(10)
+    assert answers == [200]
+    with pytest.raises(urllib.error.URLError):
+        door.call("GET", "/v2/health/ready")
+
+
+MESH = """
+defaults: { host: 127.0.0.1, grace_period_s: 3 }
+services:
+  http_adapter: { max_body_bytes: 4096 }
+supervisor:
+  stages:
+    - { name: inference, module: services.inference.main, replicas: 1 }
+  edge: true
+  http_front_door: orchestrator
+  trace_store: false
+  jobs: { enabled: false }
+"""
+
+
+def test_the_local_mesh_serves_rest_from_the_orchestrator(tmp_path: Path) -> None:
+    repo = build_repository(tmp_path / "repo", ["add_sub"], [])
+    config = tmp_path / "mesh.yaml"
+    config.write_text(MESH)
+    proc, info = start_mesh(repo, config, ["--grace-s", "5"])
+    try:
+        assert set(info["processes"]) == {"orchestrator", "inference-0", "envoy"}
+        edge = info["processes"]["envoy"]["grpc"]
+        request = urllib.request.Request(
+            f"http://{edge}/v2/models/add_sub/infer", data=add_sub_body(), method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            outputs = {o["name"]: o["data"] for o in json.loads(answer.read())["outputs"]}
+        assert outputs["OUTPUT0"] == [11, 12, 13, 14]
+        # The adapter's settings in the mesh YAML hold for the orchestrator's front door.
+        big = np.zeros(2048, np.float32).tolist()
+        large = json.dumps({"inputs": [{"name": "X", "shape": [2048], "data": big}]}).encode()
+        request = urllib.request.Request(
+            f"http://{edge}/v2/models/add_sub/infer", data=large, method="POST"
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 413
+        samples = scrape_metrics(info["orchestrator_metrics_port"])
+        assert any(
+            name == "meshserve_http_requests_total" and ("status", "200") in labels
+            for name, labels in samples
+        )
+    finally:
+        stop_mesh(proc)
+    assert proc.returncode == 0
