@@ -70,6 +70,9 @@ class ModelManager:
         self._versions: dict[str, dict[int, ModelVersion]] = {}
         self._failed: dict[str, str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self.starting = False
+        """True from the service's start until its start-up loads are done: a model it
+        hosts but has not loaded yet is then UNAVAILABLE (loading), not unknown."""
 
     def hosts(self, config: mc.ModelConfig) -> bool:
         """True when one of this service's backends runs the model."""
@@ -95,9 +98,29 @@ class ModelManager:
         fails is left UNAVAILABLE with its error and the others still load."""
         if names is None:
             names = [name for name in self.repository.names() if self.hosts_name(name)]
-        # All at once: a slow load (an LLM engine) holds no other model back, and
-        # each serves as soon as it is in (the index says so, model by model).
-        await asyncio.gather(*(self._load_at_start(name) for name in names))
+        try:
+            # Light models all at once, each serving as soon as it is in (the index
+            # says so, model by model); then the heavy backends' (torch, an LLM
+            # engine), whose imports and loads would take the CPU from the others.
+            light, heavy = self._by_weight(names)
+            await asyncio.gather(*(self._load_at_start(name) for name in light))
+            await asyncio.gather(*(self._load_at_start(name) for name in heavy))
+        finally:
+            self.starting = False
+
+    def _by_weight(self, names: Iterable[str]) -> tuple[list[str], list[str]]:
+        """``names`` split into those of light backends and those of heavy ones
+        (a backend that says ``heavy = True``)."""
+        light: list[str] = []
+        heavy: list[str] = []
+        for name in names:
+            try:
+                key = self.repository.config(name)
+                backend = self.backends.get(self._backend_name(key.backend or key.platform))
+            except MeshError:
+                backend = None  # its load reports the error, among the first
+            (heavy if getattr(backend, "heavy", False) else light).append(name)
+        return light, heavy
 
     async def _load_at_start(self, name: str) -> None:
         try:
@@ -219,6 +242,11 @@ class ModelManager:
                     f"Request for unknown model: '{name}' has no available versions: "
                     f"failed to load '{name}': {self._failed[name]}"
                 )
+            if self.starting and self._hosted(name):
+                raise Unavailable(
+                    f"Request for unknown model: '{name}' has no available versions: "
+                    "not loaded yet (the service is starting)"
+                )
             raise NotFound(
                 f"Request for unknown model: '{name}' is not found (not loaded by this service)"
             )
@@ -234,6 +262,14 @@ class ModelManager:
         if not ready:
             raise Unavailable(f"model '{name}' is not ready")
         return max(ready, key=lambda v: v.version)
+
+    def _hosted(self, name: str) -> bool:
+        """True when ``name`` is a model folder of the repository that this service hosts."""
+        try:
+            # Listed, not looked up: a caller's name is no path into the folder.
+            return name in self.repository.names() and self.hosts_name(name)
+        except (MeshError, OSError):
+            return False
 
     def loaded(self) -> list[ModelVersion]:
         """Every loaded version of every model."""

@@ -120,9 +120,10 @@ class MeshServer:
         if self.port == 0:
             raise OSError(f"cannot bind gRPC port {self.config.host}:{self.config.grpc_port}")
         self._server = server
-        await server.start()
+        # Before the port answers: grpc's health servicer says SERVING for "" until told.
         for name in ["", *self.parts.service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.start()
         if self.config.metrics_port >= 0:
             self._metrics_httpd = start_metrics_server(
                 self.config.host, self.config.metrics_port, self.parts.registry

@@ -95,6 +95,7 @@ def build_stage_parts(config: StageConfig, backends: Mapping[str, Backend]) -> S
         Metrics(parts.registry),
         config.queue_defaults(),
     )
+    manager.starting = True  # until load_all is done: its models are loading, not unknown
     parts.servicers = [(add_to_server, InferenceServicer(manager))]
     context = StageContext(config, manager, parts.registry)
     starts: list[Hook] = []

@@ -13,8 +13,6 @@ import logging
 import re
 
 import numpy as np
-import onnxruntime as ort
-from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
 from shared.backend import InstanceSpec, ModelSpec, TensorInstance
 from shared.errors import ConfigError, InvalidArgument
@@ -47,6 +45,8 @@ class OnnxInstance(TensorInstance):
             raise ConfigError(
                 f"model '{spec.name}' version {spec.version}: no {path.name} in {spec.path}"
             )
+        import onnxruntime as ort  # by the first model that loads: a stage without one skips it
+
         options = ort.SessionOptions()
         options.intra_op_num_threads = instance.intra_op_threads
         options.inter_op_num_threads = 1
@@ -82,6 +82,8 @@ class OnnxInstance(TensorInstance):
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One session run over the declared outputs."""
+        from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
+
         try:
             values = self.session.run(self.output_names, inputs, self._run_options)
         except (ort_errors.InvalidArgument, ort_errors.Fail, ort_errors.RuntimeException) as exc:

@@ -14,15 +14,19 @@ import importlib.util
 import inspect
 import logging
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from inference import model_config_pb2 as mc
 from shared.backend import InstanceSpec, ModelSpec, TensorInstance, parameter
 from shared.errors import ConfigError, InvalidArgument
 from shared.tensors import DATATYPES, config_datatype
+
+if TYPE_CHECKING:
+    # Imported by the first model that loads (seconds): a stage whose models
+    # need no torch never pays for it.
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +35,8 @@ REASON_CHARS = 300
 
 
 def _load_module(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
+    import torch
+
     source = spec.path / "model.py"
     if not source.is_file():
         path = spec.model_file("model.pt")
@@ -80,6 +86,9 @@ class PyTorchInstance(TensorInstance):
 
     def __init__(self, spec: ModelSpec, instance: InstanceSpec) -> None:
         super().__init__(spec)
+        import torch
+
+        self._torch = torch
         if instance.device == "cpu":
             # Per-instance intra-op threads: several instances on 2 cores must
             # not each spin up a full-size pool.
@@ -109,6 +118,7 @@ class PyTorchInstance(TensorInstance):
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Forward once; inputs positional in config order."""
+        torch = self._torch
         args = []
         for name in self.input_names:
             if name not in inputs:
@@ -155,7 +165,7 @@ class PyTorchInstance(TensorInstance):
         """Drop the module (and its device memory)."""
         del self.module
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            self._torch.cuda.empty_cache()
 
 
 def _to_numpy(value: torch.Tensor) -> np.ndarray:
@@ -166,6 +176,8 @@ class PyTorchBackend:
     """Creates PyTorchInstance objects."""
 
     name = "pytorch"
+    heavy = True
+    """Its models load at start after the light backends' (shared/manager.py)."""
 
     def create_instance(self, model: ModelSpec, instance: InstanceSpec) -> PyTorchInstance:
         """Load one instance (in the instance's own thread)."""

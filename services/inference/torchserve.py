@@ -38,6 +38,8 @@ class TorchServeBackend:
     """Serves model folders written from TorchServe archives."""
 
     name = "torchserve"
+    heavy = True
+    """Its models load at start after the light backends' (shared/manager.py)."""
 
     def __init__(self) -> None:
         self.metrics = TorchServeMetrics()

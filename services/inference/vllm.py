@@ -596,6 +596,8 @@ class VllmBackend:
     """Creates VllmInstance objects; their metrics join ``registry`` (the service's)."""
 
     name = "vllm"
+    heavy = True
+    """Its models load at start after the light backends' (shared/manager.py)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry

@@ -168,6 +168,8 @@ class LoraBackend:
     """Creates LoraInstance objects on the engines ``engines`` (the service's vllm backend) runs."""
 
     name = "vllm_lora"
+    heavy = True
+    """Loads with its base model's engine, after the light backends' models."""
 
     def __init__(self, engines: VllmBackend) -> None:
         self.engines = engines

@@ -377,9 +377,14 @@ class StageRouter:
 
     async def _refresh_one(self, endpoint: Endpoint) -> None:
         try:
-            with remote():
-                request = pb.RepositoryIndexRequest()
-                index = await endpoint.stub().RepositoryIndex(request, timeout=5)
+            index = await _index(endpoint)
+            waiting = _waiting(index)
+            if waiting and not await _starting(endpoint):
+                # SERVING comes once the start-up loads are in: a load that ended
+                # after the index was read is READY in a second read. (Without it,
+                # such a model would be neither ready nor loading: unknown.)
+                index = await _index(endpoint)
+                waiting = set()
         except MeshError as exc:
             if endpoint.ready:
                 log.warning("%s is unreachable: %s", endpoint.describe(), exc.message)
@@ -390,14 +395,8 @@ class StageRouter:
             log.info("%s is ready", endpoint.describe())
         endpoint.models = {model.name for model in index.models if model.state == "READY"}
         endpoint.listed = {model.name for model in index.models}
-        # A reason says why a model is not loaded; none: never loaded, or unloaded.
-        endpoint.load_errors = {
-            model.name: model.reason
-            for model in index.models
-            if model.state == "UNAVAILABLE" and model.reason and model.name not in endpoint.models
-        }
-        waiting = endpoint.listed - endpoint.models - endpoint.load_errors.keys()
-        endpoint.loading = waiting if waiting and await _starting(endpoint) else set()
+        endpoint.load_errors = _load_errors(index)
+        endpoint.loading = waiting
         endpoint.ready = True
         endpoint.fill_spares()
 
@@ -539,6 +538,33 @@ class StageRouter:
             return response
 
         return (await self.call(model, fetch)).config
+
+
+async def _index(endpoint: Endpoint) -> pb.RepositoryIndexResponse:
+    """The replica's RepositoryIndex (its errors as ``shared.errors`` classes)."""
+    with remote():
+        request = pb.RepositoryIndexRequest()
+        index: pb.RepositoryIndexResponse = await endpoint.stub().RepositoryIndex(
+            request, timeout=5
+        )
+    return index
+
+
+def _load_errors(index: pb.RepositoryIndexResponse) -> dict[str, str]:
+    """Models the index says failed to load -> why (a reason says why a model is
+    not loaded; none: never loaded, or unloaded)."""
+    ready = {model.name for model in index.models if model.state == "READY"}
+    return {
+        model.name: model.reason
+        for model in index.models
+        if model.state == "UNAVAILABLE" and model.reason and model.name not in ready
+    }
+
+
+def _waiting(index: pb.RepositoryIndexResponse) -> set[str]:
+    """Models listed but neither READY nor failed: loading, while the replica starts."""
+    ready = {model.name for model in index.models if model.state == "READY"}
+    return {model.name for model in index.models} - ready - _load_errors(index).keys()
 
 
 async def _starting(endpoint: Endpoint) -> bool:

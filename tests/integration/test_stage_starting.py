@@ -1,5 +1,5 @@
 """A stage that is (re)starting: its models are UNAVAILABLE, never unknown, and
-serve as soon as they are loaded.
+serve as soon as they are loaded; a light model serves while a heavy one loads.
 
 A restarted stage binds its port and answers RepositoryIndex before its models
 are loaded (health NOT_SERVING until they are). Clients retry UNAVAILABLE, not
@@ -21,6 +21,7 @@ import numpy as np
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from services.inference.python import PythonBackend
+from services.inference.pytorch import PyTorchBackend
 from services.orchestrator.main import OrchestratorConfig, build_parts
 from shared.server import MeshServer
 from shared.stage import StageConfig, build_stage_parts
@@ -121,6 +122,86 @@ def test_a_starting_stage_models_are_unavailable_then_serve_at_once(tmp_path: Pa
         finally:
             await channel.close()
             await orchestrator.stop()
+            await stage.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+HEAVY_LOAD_S = 1.0
+"""How long the torch model takes to build (its constructor sleeps)."""
+
+HEAVY_CODE = f"""
+import time
+
+import torch
+
+
+class Heavy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        time.sleep({HEAVY_LOAD_S})
+
+    def forward(self, x):
+        return x
+"""
+
+TENSORS = """
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 2 ] } ]
+"""
+
+
+def test_a_light_model_serves_while_a_heavy_one_loads_and_the_stage_never_says_unknown(
+    tmp_path: Path,
+) -> None:
+    repo = tmp_path / "repo"
+    (repo / "heavy" / "1").mkdir(parents=True)
+    (repo / "heavy" / "1" / "model.py").write_text(HEAVY_CODE)
+    (repo / "heavy" / "config.pbtxt").write_text('backend: "pytorch"' + TENSORS)
+    (repo / "light" / "1").mkdir(parents=True)
+    (repo / "light" / "1" / "model.py").write_text(
+        LATE_CODE.replace(f"sleep({LOAD_S})", "sleep(0)")
+    )
+    (repo / "light" / "config.pbtxt").write_text(LATE_CONFIG)
+
+    def infer(model: str) -> pb.ModelInferRequest:
+        request = pb.ModelInferRequest(model_name=model)
+        encode_inputs(request, {"X": np.array([3.0, 4.0], np.float32)})
+        return request
+
+    async def scenario() -> None:
+        config = StageConfig(service_name="inference-0", model_repository=repo)
+        backends = {"python": PythonBackend(), "pytorch": PyTorchBackend()}
+        stage = MeshServer(config, build_stage_parts(config, backends))
+        starting = asyncio.create_task(stage.start())
+        while stage.port == 0:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        channel = grpc.aio.insecure_channel(stage.address)
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            # Asked straight, the stage says "loading" (UNAVAILABLE) for both at first.
+            code = await code_of(stub.ModelInfer(infer("heavy"), timeout=10))
+            assert code == grpc.StatusCode.UNAVAILABLE
+            while await code_of(stub.ModelInfer(infer("light"), timeout=10)) != grpc.StatusCode.OK:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+            # The light model serves; the heavy one is still loading, and says so.
+            assert not starting.done()
+            try:
+                await stub.ModelInfer(infer("heavy"), timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
+                assert "not loaded yet" in (exc.details() or "")
+            else:
+                raise AssertionError("a model still loading answered")
+            await starting
+            answer = await stub.ModelInfer(infer("heavy"), timeout=10)
+            assert decode_outputs(answer)["Y"].tolist() == [3.0, 4.0]
+            # Once started, a model it does not have is unknown again.
+            unknown = await code_of(stub.ModelInfer(infer("nothing"), timeout=10))
+            assert unknown == grpc.StatusCode.NOT_FOUND
+        finally:
+            await channel.close()
             await stage.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
