@@ -17,16 +17,19 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from shared.otlp_export import OtlpGrpcExporter
+from shared.span_recorder import SpanRecorder
 from shared.trace_ids import traceparent
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 T = TypeVar("T")
+
+EXPORT_DELAY_S = 0.2
+"""How long a service holds its ended spans before sending them as one batch."""
 
 
 def make_tracer_provider(
@@ -52,12 +55,9 @@ def make_tracer_provider(
         exporter = OtlpGrpcExporter(otlp_endpoint)
     if exporter is None:
         return None
-    provider = TracerProvider(
-        resource=Resource.create({"service.name": service_name}),
-        sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
-    )
-    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
-    return provider
+    # Spans recorded without the SDK's per-span machinery (shared/span_recorder.py).
+    resource = Resource.create({"service.name": service_name})
+    return SpanRecorder(resource, exporter, sample_ratio, delay_s=EXPORT_DELAY_S)
 
 
 def extract_context(metadata: Iterable[tuple[str, Any]] | None) -> otel_context.Context:
