@@ -2,6 +2,11 @@
 
 Each runs in a session of its own, so its process group holds everything it
 spawns; stopping it ends that whole tree (deploy/local/process_tree.py).
+
+With ``ProcessSpec.standby``, once the service is ready a second process of
+the same command waits beside it, its modules imported (deploy/local/standby.py);
+a restart turns that one into the service instead of starting an interpreter,
+and a new standby is prepared once the restarted service is ready again.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from pathlib import Path
 
 from deploy.local.process_tree import end_process_tree
 from deploy.local.procfs import start_ticks
+from deploy.local.standby import GO
 
 READY_MARKER = "MESHSERVE_READY"
 HEALTHY_AFTER_S = 30.0
@@ -40,6 +46,8 @@ class ProcessSpec:
     args: tuple[str, ...] = ()
     port_flag: str = "--grpc-port"
     """The flag that sets the process's listening port."""
+    standby: bool = False
+    """Keep an imported, idle process ready to take over on a restart (standby.py)."""
 
     def command(self, config: Path) -> list[str]:
         """The command line (the mesh YAML first, explicit ports after)."""
@@ -55,6 +63,11 @@ class ProcessSpec:
             str(self.metrics_port),
             *self.args,
         ]
+
+    def standby_command(self, config: Path) -> list[str]:
+        """The same command, started as a standby that waits for its turn."""
+        command = self.command(config)
+        return [command[0], "-m", "deploy.local.standby", *command[2:]]
 
 
 @dataclass
@@ -80,6 +93,9 @@ class ManagedProcess:
     """Held while the process starts or ends, so a stop sees every process started."""
     _leader: tuple[int, int | None] | None = None
     """The running (or exited, not yet cleaned up) process: PID and start ticks."""
+    _standby: Standby | None = None
+    """The process waiting to take over (``spec.standby``), once prepared."""
+    _preparing: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
         """Start, and restart after unexpected exits, until stopped."""
@@ -88,6 +104,8 @@ class ManagedProcess:
             started = time.monotonic()
             if not await self._start():
                 return
+            if self.spec.standby and self._preparing is None:
+                self._preparing = asyncio.create_task(self._prepare_standby())
             code = await self._exit_code()
             self.ready.clear()
             if self.stopping:
@@ -106,27 +124,59 @@ class ManagedProcess:
             await asyncio.sleep(wait)
 
     async def _start(self) -> bool:
-        """Start the process unless stopping (then False)."""
-        env = {**os.environ, **self.environment, "PYTHONUNBUFFERED": "1"}
+        """Start the process unless stopping (then False): the standby, when one
+        waits, else a new one."""
         async with self._lifecycle:
             if self.stopping:
                 return False
-            # A session of its own: its process group holds whatever it spawns.
-            self.proc = await asyncio.create_subprocess_exec(
-                *self.spec.command(self.config),
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                env=env,
-                start_new_session=True,
-            )
+            standby, self._standby = self._standby, None
+            if standby is not None and standby.go():
+                self.proc, pumps = standby.proc, standby.pumps
+                log(f"{self.spec.name}: the standby (PID {self.proc.pid}) takes over")
+            else:
+                if standby is not None:
+                    await standby.end()
+                self.proc = await self._spawn(self.spec.command(self.config), stdin=None)
+                pumps = self._pumps_of(self.proc)
             self._leader = (self.proc.pid, start_ticks(self.proc.pid))
         for pump in self._pumps:
             pump.cancel()
-        self._pumps = [
-            asyncio.create_task(self._pump(self.proc.stderr, ready=False)),
-            asyncio.create_task(self._pump(self.proc.stdout, ready=True)),
-        ]
+        self._pumps = pumps
         return True
+
+    async def _spawn(self, command: list[str], stdin: int | None) -> asyncio.subprocess.Process:
+        env = {**os.environ, **self.environment, "PYTHONUNBUFFERED": "1"}
+        # A session of its own: its process group holds whatever it spawns.
+        return await asyncio.create_subprocess_exec(
+            *command,
+            stdin=stdin,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
+
+    def _pumps_of(self, proc: asyncio.subprocess.Process) -> list[asyncio.Task[None]]:
+        return [
+            asyncio.create_task(self._pump(proc.stderr, ready=False)),
+            asyncio.create_task(self._pump(proc.stdout, ready=True)),
+        ]
+
+    async def _prepare_standby(self) -> None:
+        """Whenever the service is ready and no standby waits, start one."""
+        while not self.stopping:
+            await self.ready.wait()
+            async with self._lifecycle:
+                old = self._standby
+                if not self.stopping and (old is None or not old.waiting):
+                    if old is not None:
+                        await old.end()  # it ended: one try per time the service is ready
+                    command = self.spec.standby_command(self.config)
+                    proc = await self._spawn(command, stdin=asyncio.subprocess.PIPE)
+                    self._standby = Standby(proc, self._pumps_of(proc))
+            # Until the service goes (ready is cleared) and comes back.
+            while self.ready.is_set() and not self.stopping:  # noqa: ASYNC110
+                await asyncio.sleep(EXIT_POLL_S)
 
     async def _exit_code(self) -> int:
         # Not proc.wait(): it also waits for the pipes to close, and a grandchild
@@ -166,10 +216,51 @@ class ManagedProcess:
     async def stop(self) -> None:
         """SIGTERM this process (by PID); SIGKILL it and all it started after the grace."""
         self.stopping = True
+        preparing, self._preparing = self._preparing, None
+        async with self._lifecycle:  # not while a standby is being started
+            standby, self._standby = self._standby, None
+            if preparing is not None:
+                preparing.cancel()
+        if preparing is not None:
+            await asyncio.gather(preparing, return_exceptions=True)
+        if standby is not None:
+            await standby.end()
         await self._end_tree()
         for pump in self._pumps:
             pump.cancel()
         await asyncio.gather(*self._pumps, return_exceptions=True)
+
+
+@dataclass
+class Standby:
+    """A started process waiting to become its service (deploy/local/standby.py)."""
+
+    proc: asyncio.subprocess.Process
+    pumps: list[asyncio.Task[None]]
+    """Its output, copied into the supervisor's log from the start."""
+
+    @property
+    def waiting(self) -> bool:
+        """True while it has not exited (it may still be importing: it goes on to wait)."""
+        return self.proc.returncode is None
+
+    def go(self) -> bool:
+        """Tell it to become the service; False when it is gone (or cannot be told)."""
+        stdin = self.proc.stdin
+        if not self.waiting or stdin is None:
+            return False
+        try:
+            stdin.write(f"{GO}\n".encode())
+            stdin.close()  # the service reads no more of it
+        except (BrokenPipeError, ConnectionResetError):
+            return False
+        return True
+
+    async def end(self) -> None:
+        """End it: it holds nothing, so SIGKILL at once (with all it may have started)."""
+        for pump in self.pumps:
+            pump.cancel()
+        await end_process_tree(self.proc.pid, start_ticks(self.proc.pid), 0.0)
 
 
 def log(message: str) -> None:

@@ -6,7 +6,9 @@
 Stage services start first; once each has printed its ready line, the
 orchestrator starts with their addresses. A process that exits unexpectedly
 is restarted on the same ports with exponential backoff (reset once it has run
-a while), once whatever it left behind has ended.
+a while), once whatever it left behind has ended; a stage with ``standby: true``
+is restarted by a process that already imported its modules
+(deploy/local/standby.py).
 
 The port plan (every gRPC, HTTP and metrics port; replica i of a stage on its
 ports + i * ``replica_port_step``) is checked before anything starts
@@ -111,6 +113,8 @@ def plan(
                     stage_port,
                     stage_metrics,
                     stage_args,
+                    # An imported process waits to take over a restart (standby.py).
+                    standby=bool(stage.get("standby", False)),
                 )
             )
     endpoints = [arg for s in stages for arg in ("--stages", f"{s.stage}={host}:{s.grpc_port}")]

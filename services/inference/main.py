@@ -38,6 +38,15 @@ def backends() -> dict[str, Backend]:
     return {b.name: b for b in every} | {LoraBackend.name: LoraBackend(llm)}
 
 
+def preload() -> None:
+    """Import what the backends import only when a model needs it (seconds each):
+    a standby (deploy/local/standby.py) calls this so its restart skips them.
+    vLLM stays out: its engine runs in processes of its own, and the LLM loads
+    after every other model."""
+    import onnxruntime  # noqa: F401
+    import torch  # noqa: F401
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Serve the inference backends until SIGTERM."""
     config = load_config(InferenceConfig, argv, service="inference")
