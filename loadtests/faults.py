@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 
 from deploy.local.procfs import child_pids, start_ticks
+from deploy.local.standby import STANDBY_NAME
 
 Call = Callable[[], None]
 """One request; raises grpc.RpcError on failure."""
@@ -68,11 +69,24 @@ class ProcessTable:
 
 
 def stage_pids(supervisor_pid: int, module: str) -> list[int]:
-    """The supervisor's children running ``module`` now (restarted ones included)."""
+    """The supervisor's children running ``module`` now (restarted ones included;
+    a standby still waiting to take over is not one)."""
     pids = []
     for child in child_pids(supervisor_pid):
         with contextlib.suppress(OSError):
+            if Path(f"/proc/{child}/comm").read_text().strip() == STANDBY_NAME:
+                continue
             if module in Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace"):
+                pids.append(child)
+    return sorted(pids)
+
+
+def standby_pids(supervisor_pid: int) -> list[int]:
+    """The supervisor's standbys (importing, or waiting to take over a restart)."""
+    pids = []
+    for child in child_pids(supervisor_pid):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{child}/comm").read_text().strip() == STANDBY_NAME:
                 pids.append(child)
     return sorted(pids)
 
@@ -135,6 +149,9 @@ class FaultPlan:
     in_flight: int = 16
     fault_at_s: float = 1.0
     duration_s: float = 4.0
+    watch: Callable[[float, threading.Event], None] | None = None
+    """Run in a thread of its own from the fault (its time.monotonic(), and an event
+    set when the run ends): e.g. restart_watch.RestartWatch.run."""
 
 
 def load_with_fault(plan: FaultPlan) -> FaultResult:
@@ -171,6 +188,10 @@ def load_with_fault(plan: FaultPlan) -> FaultResult:
         fault_at.append(time.monotonic())
         if plan.pid is not None:
             os.kill(plan.pid, plan.signum)
+        if plan.watch is not None:
+            watcher = threading.Thread(target=plan.watch, args=(fault_at[0], stop), daemon=True)
+            watcher.start()
+            threads.append(watcher)
         time.sleep(max(0.0, plan.duration_s - (time.monotonic() - start)))
     finally:
         stop.set()

@@ -5,6 +5,7 @@
                                     [--in-flight 16] [--overload-in-flight 256]
                                     [--overload-queued-batches N]
                                     [--skip fuzz,faults,single,soak,overload,abuse]
+                                    [--without-llm] [--standby on|off|yaml]
 
 In order, each on the default models (the LLM included) under the supervisor:
 
@@ -22,7 +23,10 @@ In order, each on the default models (the LLM included) under the supervisor:
    keeps serving; SIGCONT.
 4. ``single``: a mesh with 1 replica per stage; SIGKILL of each stage: failures
    only UNAVAILABLE, recovery < 10 s: per model, from the kill to the first success
-   of a call begun after its first failure, and the end of the last failure.
+   of a call begun after its first failure, and the end of the last failure; then,
+   per kill, where the restart's time went (``loadtests/restart_watch.py``: the new
+   process, its port, each model READY, the orchestrator seeing it). ``--standby``
+   gives every stage a standby (deploy/local/standby.py) or none.
 5. ``overload`` and 6. ``abuse`` (``loadtests/abuse.py``), on a mesh of the image
    models: 256 requests in flight on image_classifier (only OK and
    RESOURCE_EXHAUSTED expected; latencies and RSS); slowloris headers, idle
@@ -39,16 +43,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,7 +60,6 @@ import abuse
 import faults
 import fuzzer
 import grpc
-import numpy as np
 import yaml
 from common import (
     DEFAULT_REPOSITORY,
@@ -70,15 +72,13 @@ from common import (
     running_mesh,
     start_supervisor,
 )
+from fault_runs import HEADERS, STAGES, fault_rows, image_request, mixed_call
 
-from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
-from shared.tensors import encode_inputs
 
 MODELS = ["text_embedding", "image_classifier", "llm"]
 LLM_MODELS = {"llm", "smollm2", "smollm2_tokenizer", "smollm2_detokenizer"}
-STAGES = ["inference", "tokenizer", "preprocess", "postprocess"]
-RECOVERY_LIMIT_S = 10.0
+STANDBY: dict[str, bool | None] = {"on": True, "off": False, "yaml": None}
 READY_TIMEOUT_S = 600.0
 """How long the default mesh (with vLLM) may take to become ready."""
 
@@ -87,18 +87,27 @@ READY_TIMEOUT_S = 600.0
 
 
 @contextlib.contextmanager
-def mesh(repository: Path, replicas: int) -> Iterator[dict[str, Any]]:
-    """The default mesh with ``replicas`` of every stage; its ready info (+ supervisor_pid)."""
+def mesh(
+    repository: Path, replicas: int, standby: bool | None = None, keep_log: Path | None = None
+) -> Iterator[dict[str, Any]]:
+    """The default mesh with ``replicas`` of every stage (and a standby beside each
+    when ``standby``; None: as the mesh YAML says); its ready info (+ supervisor_pid,
+    and ``standbys``: how many standbys it keeps). Its log is copied to ``keep_log``."""
     document = yaml.safe_load((ROOT / "deploy" / "local" / "mesh.yaml").read_text())
     for stage in document["supervisor"]["stages"]:
         stage["replicas"] = replicas
+        if standby is not None:
+            stage["standby"] = standby
     document["supervisor"]["restart_backoff_s"] = [0.2, 2.0]
+    stages = document["supervisor"]["stages"]
     with tempfile.TemporaryDirectory(prefix="meshserve-reliability-") as tmp:
         config, log_path = Path(tmp) / "mesh.yaml", Path(tmp) / "mesh.log"
         config.write_text(yaml.safe_dump(document, sort_keys=False))
         proc = start_supervisor(repository, config, log_path, READY_TIMEOUT_S)
         try:
-            yield _ready(proc, log_path)
+            info = _ready(proc, log_path)
+            info["standbys"] = sum(s["replicas"] for s in stages if s.get("standby"))
+            yield info
         finally:
             for pid in faults.stage_pids(proc.pid, "services."):
                 with contextlib.suppress(ProcessLookupError):
@@ -109,6 +118,8 @@ def mesh(repository: Path, replicas: int) -> Iterator[dict[str, Any]]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            if keep_log is not None:
+                shutil.copyfile(log_path, keep_log)
 
 
 def _ready(proc: subprocess.Popen[str], log_path: Path) -> dict[str, Any]:
@@ -125,51 +136,6 @@ def _ready(proc: subprocess.Popen[str], log_path: Path) -> dict[str, Any]:
 
 
 # -- requests ------------------------------------------------------------------
-
-
-def embedding_request() -> pb.ModelInferRequest:
-    request = pb.ModelInferRequest(model_name="text_embedding")
-    texts = np.empty((1, 1), dtype=object)
-    texts[0, 0] = b"A reliable mesh answers every request."
-    encode_inputs(request, {"TEXT": texts})
-    return request
-
-
-def image_request() -> pb.ModelInferRequest:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.new("RGB", (96, 96), (200, 120, 40)).save(buffer, "PNG")
-    request = pb.ModelInferRequest(model_name="image_classifier")
-    images = np.empty((1, 1), dtype=object)
-    images[0, 0] = buffer.getvalue()
-    encode_inputs(request, {"IMAGE": images})
-    return request
-
-
-def stage_calls(
-    stub: pb_grpc.GRPCInferenceServiceStub, timeout_s: float = 30
-) -> dict[str, faults.Call]:
-    """text_embedding and image_classifier (between them, every stage), by model."""
-
-    def calling(request: pb.ModelInferRequest) -> faults.Call:
-        def call() -> None:
-            stub.ModelInfer(request, timeout=timeout_s)
-
-        return call
-
-    return {r.model_name: calling(r) for r in [embedding_request(), image_request()]}
-
-
-def mixed_call(stub: pb_grpc.GRPCInferenceServiceStub, timeout_s: float = 30) -> faults.Call:
-    """Alternately text_embedding and image_classifier."""
-    calls = list(stage_calls(stub, timeout_s).values())
-    turn = iter(range(10**12))
-
-    def call() -> None:
-        calls[next(turn) % len(calls)]()
-
-    return call
 
 
 def chat_call(edge: str) -> Callable[[], None]:
@@ -225,87 +191,6 @@ def run_fuzz(info: dict[str, Any], cases: int, seed: int) -> bool:
     return not result.findings and not restarts
 
 
-def fault_rows(info: dict[str, Any], in_flight: int, single: bool) -> tuple[list[list[Any]], bool]:
-    """SIGKILL each stage's last replica in turn (and, with 2 replicas, drain and stall)."""
-    channel = grpc.insecure_channel(info["orchestrator"])
-    stub = pb_grpc.GRPCInferenceServiceStub(channel)
-    rows, fine = [], True
-    replica = 0 if single else 1
-    runs = [(f"{s}-{replica}", signal.SIGKILL) for s in STAGES]
-    if not single:
-        runs.append(("inference-1", signal.SIGTERM))
-    for label, signum in runs:
-        pid = current_pid(info, label)
-        plan = faults.FaultPlan(
-            f"{signum.name} {label}",
-            stage_calls(stub),
-            pid,
-            signum,
-            in_flight=in_flight,
-            duration_s=45.0 if single else 6.0,
-        )
-        result = faults.load_with_fault(plan)
-        failures = result.failures()
-        ok = set(failures) <= {"UNAVAILABLE"} if single else not failures
-        ok = ok and max(result.recovery_s(), result.last_failure_s) < RECOVERY_LIMIT_S
-        fine &= ok
-        rows.append(_fault_row(plan.name, result, ok))
-        _wait_serving(stub)
-    if not single:
-        rows.append(stall_row(info, stub))
-        fine &= rows[-1][-1] == "yes"
-    channel.close()
-    return rows, fine
-
-
-def _fault_row(name: str, result: faults.FaultResult, ok: bool) -> list[Any]:
-    failures = " ".join(f"{code}={n}" for code, n in sorted(result.failures().items()))
-    recovery = [f"{kind} {s:.1f}" for kind, s in sorted(result.recovered_s.items())]
-    recovery += [f"{kind} never" for kind in result.unrecovered()]
-    return [
-        name,
-        result.requests,
-        failures or "0",
-        ", ".join(recovery) or "-",
-        result.last_failure_s,
-        "yes" if ok else "NO",
-    ]
-
-
-def _wait_serving(stub: pb_grpc.GRPCInferenceServiceStub) -> None:
-    call = mixed_call(stub, timeout_s=5)
-
-    def serves() -> bool:
-        try:
-            call()
-            call()
-        except grpc.RpcError:
-            return False
-        return True
-
-    faults.wait_until(serves, timeout_s=60)
-
-
-def stall_row(info: dict[str, Any], stub: pb_grpc.GRPCInferenceServiceStub) -> list[Any]:
-    """SIGSTOP every tokenizer: text_embedding times out, image_classifier serves."""
-    stalled = faults.stage_pids(info["supervisor_pid"], "services.tokenizer.main")
-    codes: Counter[str] = Counter()
-    with faults.stopped(stalled):
-        for request in [embedding_request(), image_request()] * 4:
-            try:
-                stub.ModelInfer(request, timeout=3)
-                codes[f"{request.model_name}:OK"] += 1
-            except grpc.RpcError as exc:
-                codes[f"{request.model_name}:{exc.code().name}"] += 1
-    start = time.monotonic()
-    _wait_serving(stub)
-    timed_out = codes["text_embedding:DEADLINE_EXCEEDED"] + codes["text_embedding:UNAVAILABLE"]
-    ok = timed_out == 4 and codes["image_classifier:OK"] == 4
-    summary = " ".join(f"{k}={v}" for k, v in sorted(codes.items()))
-    serving_s = time.monotonic() - start
-    return ["SIGSTOP tokenizer", 8, summary, f"serving {serving_s:.1f}", "-", "yes" if ok else "NO"]
-
-
 def rss_mib(pid: int) -> float:
     """Resident memory of ``pid`` (NaN once gone)."""
     try:
@@ -358,18 +243,6 @@ def _noop_plan(call: faults.Call, in_flight: int, seconds: float) -> faults.Faul
     return faults.FaultPlan("soak", call, None, in_flight=in_flight, duration_s=seconds)
 
 
-def current_pid(info: dict[str, Any], label: str) -> int:
-    """The PID of ``label`` now: the one it started with, or the supervisor's restart."""
-    table: faults.ProcessTable = info["table"]
-    if label not in table.restarted():
-        return table.pid(label)
-    stage = label.rsplit("-", 1)[0]
-    others = {table.pid(n) for n in table.started if n.startswith(stage + "-") and n != label}
-    module = f"services.{stage}.main"
-    (pid,) = set(faults.stage_pids(info["supervisor_pid"], module)) - others
-    return pid
-
-
 # -- main ----------------------------------------------------------------------
 
 
@@ -401,6 +274,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--without-llm",
         action="store_true",
         help="the default models but the LLM's (fuzz, faults and soak then need no vLLM engine)",
+    )
+    parser.add_argument(
+        "--standby",
+        choices=sorted(STANDBY),
+        default="yaml",
+        help="for the single-replica run: a standby beside each stage (on, off, or as "
+        "deploy/local/mesh.yaml says)",
+    )
+    parser.add_argument(
+        "--keep-log", type=Path, default=None, help="copy the single-replica mesh's log here"
     )
     parser.add_argument("--slow", type=int, default=300, help="slowloris connections")
     parser.add_argument("--idle", type=int, default=1000, help="idle connections")
@@ -447,7 +330,8 @@ def run_parts(args: argparse.Namespace, skip: set[str]) -> bool:
                 print(format_table(HEADERS, rows))
                 fine &= ok
     if "single" not in skip:
-        with mesh(args.repository, replicas=1) as info:
+        standby = STANDBY[args.standby]
+        with mesh(args.repository, 1, standby, args.keep_log) as info:
             rows, ok = fault_rows(info, args.in_flight, single=True)
             print(format_table(HEADERS, rows))
             fine &= ok
@@ -515,15 +399,6 @@ def _overload_part(info: MeshInfo, args: argparse.Namespace) -> bool:
         print(format_table(["RSS MiB after round", *names], [[0, *map(before.get, names)], *table]))
     return codes <= {"OK", "RESOURCE_EXHAUSTED"}
 
-
-HEADERS = [
-    "fault run",
-    "requests",
-    "failures by code",
-    "recovery s (fault to first OK, per model that failed)",
-    "last failure s",
-    "as expected",
-]
 
 if __name__ == "__main__":
     sys.exit(main())
