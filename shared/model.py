@@ -3,7 +3,8 @@
 The request path inside a stage: ``ModelVersion.infer`` checks the request
 against the config (names, datatypes, shapes, batch size), queues it in the
 dynamic batcher, and a ``ThreadedInstance`` runs the batch in its own thread so
-the event loop never blocks on model compute.
+the event loop never blocks on model compute (a batch measured cheaper than the
+hand-off to that thread runs on the loop: ``shared/inline_budget.py``).
 
 A decoupled model takes the other path, ``ModelVersion.stream``: the same
 checks, then straight to the least busy ``StreamingInstance`` (which schedules
@@ -39,6 +40,7 @@ from shared.backend import (
 )
 from shared.batcher import DynamicBatcher
 from shared.errors import ConfigError, InvalidArgument, MeshError, Overloaded, Unavailable
+from shared.inline_budget import InlineBudget, LoopSafeInstance, inline_bound_us
 from shared.queue_bounds import DEFAULTS, QueueDefaults, batch_policy, stream_limit
 from shared.request import InferRequest, InferResponse
 from shared.statistics import Metrics, StatsRecorder
@@ -57,6 +59,7 @@ class ThreadedInstance:
         executor: ThreadPoolExecutor,
         stats: StatsRecorder,
         batched: bool,
+        budget: InlineBudget | None = None,
     ) -> None:
         self.name = spec.name
         self.spec = spec
@@ -65,24 +68,44 @@ class ThreadedInstance:
         self._stats = stats
         self._batched = batched
         self._inline = instance.runs_inline if isinstance(instance, QuickInstance) else None
+        self._budget = budget
+        """Learns the batch times of a LoopSafeInstance (shared/inline_budget.py)."""
 
     async def execute(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
         """Run the batch in this instance's thread (on the loop when the instance
-        says it is cheap) and record its statistics."""
+        says it is cheap, or its batches are measured cheap) and record its statistics."""
         results = self._run_inline(requests)
         if results is None:
             started = time.monotonic_ns()
             loop = asyncio.get_running_loop()
-            results = await loop.run_in_executor(self._executor, self.instance.execute, requests)
+            results = await loop.run_in_executor(self._executor, self._timed, requests)
             self._batch_done(requests, started)
         return results
 
+    def _timed(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
+        """The batch run in this thread, its time (without the hand-off) learned."""
+        if self._budget is None:
+            return self.instance.execute(requests)
+        started = time.monotonic_ns()
+        try:
+            return self.instance.execute(requests)
+        finally:
+            self._budget.measured(time.monotonic_ns() - started)
+
     def _run_inline(self, requests: list[InferRequest]) -> list[InferResponse | Exception] | None:
-        """The batch run here, on the loop, when the instance says it is cheap; else None."""
-        if self._inline is None or not self._inline(requests):
+        """The batch run here, on the loop, when it is cheap; else None."""
+        budget = self._budget
+        if budget is not None:
+            if not budget.allows():
+                return None
+        elif self._inline is None or not self._inline(requests):
             return None
         started = time.monotonic_ns()
-        results = self.instance.execute(requests)
+        try:
+            results = self.instance.execute(requests)
+        finally:
+            if budget is not None:
+                budget.measured(time.monotonic_ns() - started)
         self._batch_done(requests, started)
         return results
 
@@ -99,13 +122,22 @@ class ThreadedInstance:
 
 
 class QuickThreadedInstance(ThreadedInstance):
-    """A ThreadedInstance of a QuickInstance backend: the batcher may also run a
-    cheap request on it at once (ImmediateInstance). Model backends get the plain
-    ThreadedInstance, so their requests never take that detour."""
+    """A ThreadedInstance of a QuickInstance backend, or of a LoopSafeInstance
+    measured cheap: the batcher may also run a cheap request on it at once
+    (ImmediateInstance). Other model backends get the plain ThreadedInstance, so
+    their requests never take that detour."""
 
     def execute_now(self, requests: list[InferRequest]) -> list[InferResponse | Exception] | None:
         """The batch run here, on the loop, when the instance says it is cheap; else None."""
         return self._run_inline(requests)
+
+
+def _inline_budget(config: mc.ModelConfig, instance: BackendInstance) -> InlineBudget | None:
+    """A budget for a loop-safe instance whose model allows running on the loop."""
+    bound_us = inline_bound_us(config)  # checked for every model: a bad value is an error
+    if not bound_us or not isinstance(instance, LoopSafeInstance) or not instance.loop_safe:
+        return None
+    return InlineBudget(bound_us)
 
 
 def instance_specs(config: mc.ModelConfig, cuda_devices: int) -> list[InstanceSpec]:
@@ -290,12 +322,15 @@ class ModelVersion:
             backend_instance = await loop.run_in_executor(
                 executor, self.backend.create_instance, self.spec, instance_spec
             )
+            budget = _inline_budget(self.spec.config, backend_instance)
             kind = (
                 QuickThreadedInstance
-                if isinstance(backend_instance, QuickInstance)
+                if isinstance(backend_instance, QuickInstance) or budget is not None
                 else ThreadedInstance
             )
-            threaded = kind(instance_spec, backend_instance, executor, self.stats, self.batched)
+            threaded = kind(
+                instance_spec, backend_instance, executor, self.stats, self.batched, budget
+            )
             self.instances.append(threaded)
         policy = batch_policy(self.spec.config, len(self.instances), self.queue_defaults)
         self.stats.set_queue_capacity(policy.default_queue_policy.max_queue_size)

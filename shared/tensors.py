@@ -81,11 +81,18 @@ def config_datatype(data_type: int) -> str:
     return CONFIG_TO_V2[mc.DataType.Name(data_type)]
 
 
+_V2_NAMES: dict[np.dtype[Any], str] = {dtype: name for name, dtype in DATATYPES.items()}
+"""numpy dtype -> v2 name: a dict hit per tensor instead of a scan comparing dtypes."""
+
+
 def datatype_of(array: np.ndarray) -> str:
     """The v2 datatype name of a numpy array."""
-    if array.dtype == object or array.dtype.kind in ("S", "U"):
+    name = _V2_NAMES.get(array.dtype)
+    if name is not None:
+        return name
+    if array.dtype.kind in ("S", "U"):
         return "BYTES"
-    for name, dtype in DATATYPES.items():
+    for name, dtype in DATATYPES.items():  # an equal dtype that does not hash alike
         if name != "BYTES" and array.dtype == dtype:
             return name
     raise InvalidArgument(f"numpy dtype {array.dtype} has no v2 datatype")

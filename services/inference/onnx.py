@@ -38,6 +38,11 @@ _INDEX = re.compile(r"\bidx=(-?\d+)")
 class OnnxInstance(TensorInstance):
     """One ONNX Runtime session on one device."""
 
+    loop_safe = True
+    """A session's run never touches the event loop and its threads are the
+    session's own: a small model's batches run on the loop once measured cheap
+    (shared/inline_budget.py)."""
+
     def __init__(self, spec: ModelSpec, instance: InstanceSpec) -> None:
         super().__init__(spec)
         path = spec.model_file("model.onnx")

@@ -84,15 +84,21 @@ def _load_module(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
 class PyTorchInstance(TensorInstance):
     """One copy of a torch model on one device."""
 
+    loop_safe = True
+    """A forward never touches the event loop: a small model's batches run on it
+    once measured cheap (shared/inline_budget.py)."""
+
     def __init__(self, spec: ModelSpec, instance: InstanceSpec) -> None:
         super().__init__(spec)
         import torch
 
         self._torch = torch
-        if instance.device == "cpu":
-            # Per-instance intra-op threads: several instances on 2 cores must
-            # not each spin up a full-size pool.
-            torch.set_num_threads(instance.intra_op_threads)
+        # Per-instance intra-op threads: several instances on 2 cores must not each
+        # spin up a full-size pool. torch keeps the count per calling thread and a
+        # batch may run in the instance's thread or on the event loop's, so each
+        # forward sets it where it runs (``_threads_here``).
+        self._threads = instance.intra_op_threads if instance.device == "cpu" else 0
+        self._threads_here()
         self.device = torch.device(instance.device)
         self.module = _load_module(spec, self.device).eval()
         self.input_names = [tensor.name for tensor in spec.config.input]
@@ -116,9 +122,16 @@ class PyTorchInstance(TensorInstance):
         for _ in range(2):
             self.run(inputs)
 
+    def _threads_here(self) -> None:
+        """This thread's intra-op thread count set to the instance's (CPU only)."""
+        torch = self._torch
+        if self._threads and torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
+
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Forward once; inputs positional in config order."""
         torch = self._torch
+        self._threads_here()
         args = []
         for name in self.input_names:
             if name not in inputs:
