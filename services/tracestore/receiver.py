@@ -44,14 +44,14 @@ class Intake:
         )
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def accept(self, request: ExportTraceServiceRequest) -> int:
-        """Store the batch's spans (and forward it); how many spans were new."""
+    async def accept(self, request: ExportTraceServiceRequest) -> None:
+        """Store the batch's spans (and forward it)."""
         if self._forward is not None and len(self._tasks) < MAX_FORWARDS_IN_FLIGHT:
             task = asyncio.create_task(self._send(request))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        # Decoded in the store's thread too: a large batch would hold the event loop.
-        return await self.store.run(_keep, self.store, request)
+        # Decoded in the store's thread, as it writes: a large batch would hold the event loop.
+        await self.store.receive(records(request))
 
     async def _send(self, request: ExportTraceServiceRequest) -> None:
         assert self._forward is not None
@@ -68,10 +68,6 @@ class Intake:
             task.cancel()
         if self._channel is not None:
             await self._channel.close()
-
-
-def _keep(store: TraceStore, request: ExportTraceServiceRequest) -> int:
-    return store.add(records(request))
 
 
 class OtlpTraceService(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[misc]

@@ -63,12 +63,18 @@ def value_of(value: AnyValue) -> Any:
     return getattr(value, which)
 
 
+_SCALARS = frozenset(("string_value", "int_value", "double_value", "bool_value"))
+
+
 def attributes_of(pairs: Any) -> dict[str, Any]:
     """Repeated ``KeyValue`` as a dict."""
     found: dict[str, Any] = {}
     pair: KeyValue
     for pair in pairs:
-        found[pair.key] = value_of(pair.value)
+        value = pair.value
+        which = value.WhichOneof("value")
+        # Nearly every attribute is a scalar: read it here, without a call per value.
+        found[pair.key] = getattr(value, which) if which in _SCALARS else value_of(value)
     return found
 
 
@@ -78,30 +84,37 @@ def records(request: ExportTraceServiceRequest) -> Iterator[SpanRecord]:
         resource = attributes_of(resource_spans.resource.attributes)
         service = str(resource.get("service.name") or "unknown_service")
         for scope_spans in resource_spans.scope_spans:
+            scope = scope_spans.scope.name
             for span in scope_spans.spans:
-                if len(span.trace_id) != 16 or len(span.span_id) != 8:
+                trace_id, span_id = span.trace_id, span.span_id
+                if len(trace_id) != 16 or len(span_id) != 8:
                     continue  # not a valid span: nothing could find it again
                 start_us = span.start_time_unix_nano // 1000
+                status = span.status
                 yield SpanRecord(
-                    trace_id=span.trace_id.hex(),
-                    span_id=span.span_id.hex(),
+                    trace_id=trace_id.hex(),
+                    span_id=span_id.hex(),
                     parent_id=span.parent_span_id.hex(),
                     service=service,
                     name=span.name,
                     kind=span.kind,
                     start_us=start_us,
                     duration_us=max(0, span.end_time_unix_nano // 1000 - start_us),
-                    error=span.status.code == STATUS_ERROR,
-                    status_message=span.status.message,
+                    error=status.code == STATUS_ERROR,
+                    status_message=status.message,
                     attributes=attributes_of(span.attributes),
-                    events=[
-                        {
-                            "time_us": event.time_unix_nano // 1000,
-                            "name": event.name,
-                            "attributes": attributes_of(event.attributes),
-                        }
-                        for event in span.events
-                    ],
+                    events=_events(span.events) if span.events else [],
                     resource=resource,
-                    scope=scope_spans.scope.name,
+                    scope=scope,
                 )
+
+
+def _events(events: Any) -> list[dict[str, Any]]:
+    return [
+        {
+            "time_us": event.time_unix_nano // 1000,
+            "name": event.name,
+            "attributes": attributes_of(event.attributes),
+        }
+        for event in events
+    ]

@@ -3,6 +3,14 @@
 Every method blocks (SQLite): callers on an event loop run them in the one
 thread ``TraceStore`` owns (``TraceStore.run``), which also serialises them.
 
+Received spans are written together: ``receive`` queues a batch, and every
+batch that arrived within ``WRITE_DELAY_S`` goes into one transaction. A
+transaction's fixed cost (the pages of every index it touches, written to the
+log) was most of what a small batch cost, and senders make many (Envoy, five
+spans at a time unless told otherwise). Nothing reads around the queue:
+``run`` writes what is queued before any other call, so a query sees every
+span received before it.
+
 Two tables: ``spans`` (one row per span, its attributes as JSON) and
 ``traces`` (one row per trace, kept up to date on every insert: first start,
 last end, span count, whether any span failed, the root span, and the model
@@ -13,6 +21,8 @@ traces reads one small table.
 from __future__ import annotations
 
 import asyncio
+import collections
+import itertools
 import json
 import sqlite3
 import time
@@ -47,6 +57,12 @@ CREATE TABLE IF NOT EXISTS traces (
 CREATE INDEX IF NOT EXISTS traces_start ON traces (start_us);
 CREATE INDEX IF NOT EXISTS traces_duration ON traces (end_us - start_us);
 """
+
+WRITE_DELAY_S = 0.2
+"""How long received spans may wait to be written with the batches that follow."""
+MAX_QUEUED = 256
+"""Batches queued at most: beyond, a receiver waits for the write (the store is
+behind its senders)."""
 
 _INSERT_SPAN = "INSERT OR IGNORE INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
 
@@ -122,13 +138,47 @@ class TraceStore:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracestore")
         self._db = self._executor.submit(self._open, str(path)).result()
         self._bytes = self._executor.submit(self._stored_bytes).result()
+        self._queued: collections.deque[Iterable[SpanRecord]] = collections.deque()
+        self._write: asyncio.TimerHandle | None = None
+        self._writes: set[asyncio.Task[int]] = set()
 
     async def run(self, call: Callable[..., T], *args: Any) -> T:
-        """``call(*args)`` in the store's thread, awaited."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, call, *args)
+        """``call(*args)`` in the store's thread, awaited, after the queued spans
+        are written."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._after_queued, call, args)
+
+    def _after_queued(self, call: Callable[..., T], args: tuple[Any, ...]) -> T:
+        self.write_queued()
+        return call(*args)
+
+    async def receive(self, spans: Iterable[SpanRecord]) -> None:
+        """Keep ``spans`` (consumed in the store's thread) within ``WRITE_DELAY_S``,
+        in one transaction with the batches received meanwhile."""
+        self._queued.append(spans)
+        if len(self._queued) >= MAX_QUEUED:
+            await self.run(self.write_queued)
+        elif self._write is None:
+            self._write = asyncio.get_running_loop().call_later(WRITE_DELAY_S, self._write_soon)
+
+    def _write_soon(self) -> None:
+        self._write = None
+        task = asyncio.get_running_loop().create_task(self.run(self.write_queued))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    def write_queued(self) -> int:
+        """Keep every queued batch now, in one transaction; how many spans were new."""
+        batches = []
+        while self._queued:
+            batches.append(self._queued.popleft())
+        return self.add(itertools.chain.from_iterable(batches)) if batches else 0
 
     def close(self) -> None:
-        """Close the database and end the store's thread."""
+        """Write what is queued, close the database and end the store's thread."""
+        if self._write is not None:
+            self._write.cancel()
+        self._executor.submit(self.write_queued).result()
         self._executor.submit(self._db.close).result()
         self._executor.shutdown()
 
@@ -328,12 +378,16 @@ class _TraceUpdate:
         )
 
 
+_to_json = json.JSONEncoder(default=str).encode
+"""``json.dumps(value, default=str)`` without making an encoder per call."""
+
+
 def _row(span: SpanRecord, received: float, resources: dict[int, str]) -> tuple[Any, ...]:
-    attributes = json.dumps(span.attributes, default=str)
-    events = json.dumps(span.events, default=str) if span.events else "[]"
+    attributes = _to_json(span.attributes)
+    events = _to_json(span.events) if span.events else "[]"
     resource = resources.get(id(span.resource))
     if resource is None:
-        resource = resources[id(span.resource)] = json.dumps(span.resource, default=str)
+        resource = resources[id(span.resource)] = _to_json(span.resource)
     size = 120 + len(span.name) + len(attributes) + len(events) + len(resource)
     return (
         span.trace_id,

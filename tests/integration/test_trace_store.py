@@ -4,7 +4,9 @@ OpenTelemetry exporters, Jaeger's query API out, bounded by age and size, and
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sqlite3
 import subprocess
 import sys
 import time
@@ -23,7 +25,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.tracestore.spans import SpanRecord
-from services.tracestore.store import Limits, TraceStore
+from services.tracestore.store import WRITE_DELAY_S, Limits, TraceStore
 from tests.harness import ROOT, ServiceProcess
 
 JAEGER_SPAN_KEYS = {
@@ -244,6 +246,35 @@ def test_a_batch_sent_again_is_kept_once(tmp_path: Path) -> None:
             "a" * 32: 1,
             "b" * 32: 1,
         }
+    finally:
+        store.close()
+
+
+def test_received_batches_are_written_together_and_seen_by_the_next_query(
+    tmp_path: Path,
+) -> None:
+    """Batches wait up to WRITE_DELAY_S to share a transaction, but a query made
+    meanwhile finds them; unqueried, they reach the file on their own."""
+    path = tmp_path / "queued.sqlite"
+    store = TraceStore(path, Limits(max_age_s=60.0, max_bytes=2**20))
+    now_us = int(time.time() * 1e6)
+
+    def on_disk(trace_id: str) -> int:
+        with sqlite3.connect(path) as reader:
+            query = "SELECT count(*) FROM spans WHERE trace_id = ?"
+            return int(reader.execute(query, (trace_id,)).fetchone()[0])
+
+    async def scenario() -> None:
+        await store.receive([span("a" * 32, now_us)])
+        await store.receive([span("b" * 32, now_us)])
+        assert on_disk("a" * 32) == 0  # still queued
+        assert len(await store.run(store.trace, "b" * 32)) == 1
+        await store.receive([span("c" * 32, now_us)])
+        await asyncio.sleep(WRITE_DELAY_S + 0.5)
+        assert on_disk("c" * 32) == 1
+
+    try:
+        asyncio.run(scenario())
     finally:
         store.close()
 
