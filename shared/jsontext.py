@@ -15,9 +15,29 @@ from typing import Any
 
 from pydantic_core import from_json
 
+from shared.errors import InvalidArgument
+
 
 def parse(text: bytes | str) -> Any:
     """JSON text as Python values; ValueError (line and column) when it is not
     well-formed Unicode JSON or nests deeper than 200 levels (pydantic-core's fixed
     limit, far beyond any request's); TypeError when ``text`` is neither bytes nor str."""
     return from_json(text)
+
+
+def kind(value: Any) -> str:
+    """The JSON type name of a parsed value, for error messages."""
+    names = {bool: "boolean", int: "number", float: "number", str: "string", list: "array"}
+    return "null" if value is None else names.get(type(value), "object")
+
+
+def parse_object(text: bytes | str, what: str = "the request body") -> dict[str, Any]:
+    """JSON text that must hold an object, parsed as ``parse`` does; otherwise
+    InvalidArgument naming ``what`` ("the request body", "line 7")."""
+    try:
+        document = from_json(text)
+    except ValueError as exc:
+        raise InvalidArgument(f"{what} is not valid JSON: {exc}") from exc
+    if not isinstance(document, dict):
+        raise InvalidArgument(f"{what} must be a JSON object, got {kind(document)}")
+    return document

@@ -107,12 +107,7 @@ class BatchApi:
 
     async def create(self, request: web.Request) -> web.Response:
         """POST /v1/batches."""
-        try:
-            body = jsontext.parse(await request.read())
-        except ValueError as exc:
-            raise InvalidArgument(f"the request body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise InvalidArgument("the request body must be a JSON object")
+        body = jsontext.parse_object(await request.read())
         file_id, endpoint = body.get("input_file_id"), body.get("endpoint")
         window, metadata = body.get("completion_window", "24h"), body.get("metadata") or {}
         if not isinstance(file_id, str) or not file_id:

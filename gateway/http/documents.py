@@ -32,13 +32,7 @@ def json_object(body: bytes, what: str) -> dict[str, Any]:
     """A request body that must be a JSON object; an empty body is ``{}``."""
     if not body.strip():
         return {}
-    try:
-        document = jsontext.parse(body)
-    except ValueError as exc:
-        raise InvalidArgument(f"{what}: malformed JSON in the request body: {exc}") from exc
-    if not isinstance(document, dict):
-        raise InvalidArgument(f"{what}: the request body must be a JSON object")
-    return document
+    return jsontext.parse_object(body, f"{what}: the request body")
 
 
 def index_request(body: bytes) -> pb.RepositoryIndexRequest:

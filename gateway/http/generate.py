@@ -46,11 +46,12 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationIn
 
 from gateway.http import sse
 from gateway.http.documents import json_object
-from gateway.http.openai_protocol import InvalidParam, kind, sampling_params
+from gateway.http.openai_protocol import InvalidParam, sampling_params
 from gateway.http.upstream import Upstream
 from inference import grpc_service_pb2 as pb
 from shared import jsontext
 from shared.errors import InvalidArgument, MeshError
+from shared.jsontext import kind
 from shared.tensors import decode_outputs, encode_inputs
 
 SAMPLING_KEYS = (

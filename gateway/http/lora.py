@@ -19,15 +19,13 @@ paths the admin role, as the repository API (gateway/envoy/access.py).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from aiohttp import web
 
-from gateway.http.openai_protocol import InvalidParam, kind
+from gateway.http.openai_protocol import InvalidParam
 from gateway.http.upstream import Upstream
 from inference import grpc_service_pb2 as pb
 from shared import jsontext
-from shared.errors import InvalidArgument
 
 LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"
@@ -37,12 +35,7 @@ BodyReader = Callable[[web.Request], Awaitable[bytes]]
 
 def adapter_name(raw: bytes) -> str:
     """``lora_name`` of a load or unload body; InvalidParam names a bad field."""
-    try:
-        body: Any = jsontext.parse(raw)
-    except ValueError as exc:
-        raise InvalidArgument(f"the request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise InvalidArgument(f"the request body must be a JSON object, got {kind(body)}")
+    body = jsontext.parse_object(raw)
     name = body.get("lora_name")
     if not isinstance(name, str) or not name:
         raise InvalidParam("lora_name", "the adapter's model name (a string) is required")

@@ -42,7 +42,6 @@ from gateway.http.openai_documents import (
     embed_request,
     embeddings_document,
     error_document,
-    kind,
     models_document,
     tokenize_document,
     tokenize_request,
@@ -120,16 +119,9 @@ class OpenAIApi:
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         raw = await self._read_body(request)
-        try:
-            if len(raw) > _INLINE_BYTES:
-                body = await asyncio.to_thread(jsontext.parse, raw)
-            else:
-                body = jsontext.parse(raw)
-        except ValueError as exc:
-            raise InvalidArgument(f"the request body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise InvalidArgument(f"the request body must be a JSON object, got {kind(body)}")
-        return body
+        if len(raw) > _INLINE_BYTES:
+            return await asyncio.to_thread(jsontext.parse_object, raw)
+        return jsontext.parse_object(raw)
 
     async def _generate(
         self,

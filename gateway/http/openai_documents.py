@@ -28,10 +28,10 @@ from gateway.http.openai_protocol import (
     EmbeddingRequest,
     InvalidParam,
     TokenizeRequest,
-    kind,
     parse,
 )
 from meshserve.v1 import meshserve_pb2 as api
+from shared.jsontext import kind
 
 __all__ = ["DEFAULT_EMBEDDER", "DEFAULT_LLM", "Choices", "Generation", "InvalidParam", "kind"]
 

@@ -17,8 +17,9 @@ from typing import Any
 
 from google.protobuf import struct_pb2
 
-from gateway.http.openai_protocol import InvalidParam, kind
+from gateway.http.openai_protocol import InvalidParam
 from meshserve.v1 import meshserve_pb2 as api
+from shared.jsontext import kind
 
 GUIDED = {
     "guided_json": "json",

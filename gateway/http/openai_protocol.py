@@ -25,6 +25,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from meshserve.v1 import meshserve_pb2 as api
 from shared.errors import InvalidArgument
+from shared.jsontext import kind
 
 DEFAULT_LLM = "llm"
 DEFAULT_EMBEDDER = "text_embedding"
@@ -62,12 +63,6 @@ class InvalidParam(InvalidArgument):
         super().__init__(f"{param}: {message}")
         self.param = param
         self.error_code = error_code
-
-
-def kind(value: Any) -> str:
-    """The JSON type name of a parsed value, for error messages."""
-    names = {bool: "boolean", int: "number", float: "number", str: "string", list: "array"}
-    return "null" if value is None else names.get(type(value), "object")
 
 
 # --- One check per kind of field (the field's name comes from pydantic) -------------

@@ -11,11 +11,11 @@ the line (1-based) so the uploader can fix the file. No Redis or gRPC here.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
+from shared import jsontext
 from shared.errors import InvalidArgument
 
 ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
@@ -45,12 +45,7 @@ def endpoint_ok(url: str) -> bool:
 def parse_line(text: str, number: int) -> BatchLine:
     """The request on line ``number`` (1-based), or InvalidArgument naming the line."""
     where = f"line {number}"
-    try:
-        item = json.loads(text)
-    except ValueError as exc:
-        raise InvalidArgument(f"{where}: not valid JSON: {exc}") from exc
-    if not isinstance(item, dict):
-        raise InvalidArgument(f"{where}: must be a JSON object")
+    item = jsontext.parse_object(text, where)
     custom_id, method, url, body = (item.get(k) for k in ("custom_id", "method", "url", "body"))
     if not isinstance(custom_id, str) or not 0 < len(custom_id) <= MAX_CUSTOM_ID:
         raise InvalidArgument(f"{where}: 'custom_id' must be a string of 1..{MAX_CUSTOM_ID} chars")

@@ -197,8 +197,8 @@ def test_json_beyond_the_parser_is_400_not_500(adapter: ServiceProcess) -> None:
     routes = [
         ("/v1/chat/completions", "the request body is not valid JSON"),
         ("/v1/embeddings", "the request body is not valid JSON"),
-        ("/v2/repository/index", "malformed JSON"),
-        ("/v2/repository/models/add_sub/load", "malformed JSON"),
+        ("/v2/repository/index", "the request body is not valid JSON"),
+        ("/v2/repository/models/add_sub/load", "the request body is not valid JSON"),
         ("/v2/models/add_sub/infer", "malformed JSON"),
     ]
     for route, problem in routes:
