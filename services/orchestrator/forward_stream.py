@@ -92,11 +92,15 @@ class ForwardStream:
         ``carried``: its trace context (``shared.tracing.current_carrier``). The
         stage's error as its MeshError, Unavailable if the stream broke, and
         NotForwarding when the server does not forward (nothing was sent)."""
-        # Shielded: a caller that goes away must not cancel what the others wait on.
-        try:
-            accepted = await asyncio.wait_for(asyncio.shield(self._accepted), ACCEPT_TIMEOUT_S)
-        except TimeoutError:
-            accepted = False  # a server that sends its headers with its first answer
+        if self._accepted.done():  # every request but the first few: no wait to set up
+            accepted = self._accepted.result()
+        else:
+            # Shielded: a caller that goes away must not cancel what the others wait on.
+            try:
+                waiting = asyncio.shield(self._accepted)
+                accepted = await asyncio.wait_for(waiting, ACCEPT_TIMEOUT_S)
+            except TimeoutError:
+                accepted = False  # a server that sends its headers with its first answer
         if not accepted:
             self.cancel()
             raise NotForwarding
