@@ -251,12 +251,21 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
             async with writing:
                 await context.write(message)
 
+        async def forward(request: pb.ModelInferRequest) -> None:
+            # A forwarded request: ModelInfer's one answer, without the generator
+            # and its closing that a decoupled model's responses need.
+            try:
+                answer = await self.ModelInfer(request, context)
+            except MeshError as exc:
+                await send(stream_error(request, exc))
+            except Exception:
+                log.exception("unexpected error in a forwarded ModelInfer request")
+                await send(stream_error(request, MeshError(GENERIC_INTERNAL_MESSAGE)))
+            else:
+                await send(pb.ModelStreamInferResponse(infer_response=answer))
+
         async def one(request: pb.ModelInferRequest) -> None:
-            answers = (
-                self._unary_answer(request, context)
-                if forwarded
-                else self.stream_responses(request, context)
-            )
+            answers = self.stream_responses(request, context)
             try:
                 async for answer in answers:
                     await send(pb.ModelStreamInferResponse(infer_response=answer))
@@ -273,8 +282,9 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
                     await aclose()
 
         try:
+            run = forward if forwarded else one
             async for request in request_iterator:
-                task = asyncio.create_task(one(request))
+                task = asyncio.create_task(run(request))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             while tasks:
@@ -294,14 +304,6 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelInferResponse:
         """Each v2 server infers its own way; ``stream_responses`` answers with it."""
         raise Unimplemented("ModelInfer is not served here")
-
-    async def _unary_answer(
-        self,
-        request: pb.ModelInferRequest,
-        context: grpc.aio.ServicerContext[pb.ModelInferRequest, pb.ModelStreamInferResponse],
-    ) -> AsyncIterator[pb.ModelInferResponse]:
-        """ModelInfer's answer to a request forwarded on a stream (FORWARD_HEADER)."""
-        yield await self.ModelInfer(request, context)
 
     async def stream_responses(
         self,
