@@ -9,6 +9,9 @@ same pre-serialised KServe v2 ModelInfer (closed loop over 4 HTTP/2
 connections), rounds interleaved:
 
 - ``stage``    the inference stage directly;
+- ``thread``   the same stage and MLP with ``inline_execution_us: 0``: every batch
+               runs in the instance's thread, as before batches measured cheap ran
+               on the event loop (shared/inline_budget.py);
 - ``orch``     the orchestrator in front of that stage (a stage model's request is
                forwarded undecoded; without a deadline, on an open stream);
 - ``envoy``    Envoy's gRPC port in front of that orchestrator;
@@ -19,7 +22,8 @@ Server CPU per request comes from /proc of each process on the path, CPU steal
 (the hypervisor's) and "others" (the rest of the machine) from /proc/stat over
 each window. It prints every round, then per door the median over rounds, and:
 the orchestrator hop (CPU per request through the orchestrator minus the stage
-directly), and the rate ratios envoy / stage, stage / kserve, envoy / kserve.
+directly), and the rate ratios stage / thread, envoy / stage, stage / kserve,
+envoy / kserve.
 """
 
 from __future__ import annotations
@@ -71,14 +75,18 @@ TORCH_MODULES = (
 """What torch imports, for KServe's venv (which has none of it)."""
 KSERVE_PYTHON = Path("~/.cache/meshserve/venvs/kserve-0.21.0/bin/python").expanduser()
 CONFIG = """\
-name: "mlp"
+name: "{name}"
 backend: "pytorch"
 max_batch_size: 8
-input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 128 ] } ]
-output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ 10 ] } ]
-instance_group [ { count: 1 kind: KIND_CPU } ]
-parameters { key: "intra_op_thread_count" value: { string_value: "1" } }
+input [ {{ name: "INPUT" data_type: TYPE_FP32 dims: [ 128 ] }} ]
+output [ {{ name: "OUTPUT" data_type: TYPE_FP32 dims: [ 10 ] }} ]
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+parameters {{ key: "intra_op_thread_count" value: {{ string_value: "1" }} }}
 """
+THREAD_ONLY = """\
+parameters { key: "inline_execution_us" value: { string_value: "0" } }
+"""
+THREAD_MODEL = "mlp_thread"
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,7 @@ class Door:
     name: str
     address: str
     pids: dict[str, int]
+    model: str = "mlp"
 
 
 @dataclass(frozen=True)
@@ -110,19 +119,20 @@ def steal_seconds() -> float:
 
 
 def build_repository(root: Path) -> Path:
-    """The MLP as a one-model repository."""
+    """The MLP twice: ``mlp``, and ``mlp_thread`` whose batches never leave its thread."""
     torch.manual_seed(0)
     layers = [torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)]
     module = torch.jit.script(torch.nn.Sequential(*layers))  # type: ignore[no-untyped-call]
-    (root / "mlp" / "1").mkdir(parents=True)
-    module.save(str(root / "mlp" / "1" / "model.pt"))
-    (root / "mlp" / "config.pbtxt").write_text(CONFIG)
+    for name, extra in (("mlp", ""), (THREAD_MODEL, THREAD_ONLY)):
+        (root / name / "1").mkdir(parents=True)
+        module.save(str(root / name / "1" / "model.pt"))
+        (root / name / "config.pbtxt").write_text(CONFIG.format(name=name) + extra)
     return root
 
 
-def payload() -> bytes:
+def payload(model: str = "mlp") -> bytes:
     """One row of 128 floats, serialised once."""
-    request = pb.ModelInferRequest(model_name="mlp")
+    request = pb.ModelInferRequest(model_name=model)
     rows = np.random.default_rng(0).standard_normal((1, 128), dtype=np.float32)
     encode_inputs(request, {"INPUT": rows})
     return request.SerializeToString()
@@ -149,6 +159,7 @@ def mesh_doors(repository: Path) -> Iterator[list[Door]]:
         path = {"stage": stage.proc.pid}
         yield [
             Door("stage", stage.address, path),
+            Door("thread", stage.address, path, THREAD_MODEL),
             Door("orch", orchestrator.address, {**path, "orch": orchestrator.proc.pid}),
             Door(
                 "envoy",
@@ -214,7 +225,7 @@ async def _until_answers(address: str, process: subprocess.Popen[bytes]) -> None
 
 async def measure(door: Door, in_flight: int, settings: LoadSettings) -> Run:
     """One closed-loop window on ``door``."""
-    target = GrpcTarget(door.address, INFER_METHOD, payload(), 4)
+    target = GrpcTarget(door.address, INFER_METHOD, payload(door.model), 4)
 
     async def steal() -> float:
         return steal_seconds()
@@ -280,6 +291,10 @@ def summary(runs: dict[str, list[Run]]) -> str:
     lines.append(
         f"orchestrator hop: +{cpu('orch') - cpu('stage'):.2f} ms CPU per request "
         f"(the orchestrator's own {orch_own:.2f} ms)"
+    )
+    lines.append(
+        f"stage / thread: {rate('stage') / rate('thread'):.2f}x req/s, CPU per request "
+        f"{cpu('stage'):.2f} against {cpu('thread'):.2f} ms"
     )
     lines.append(f"envoy / stage: {rate('envoy') / rate('stage'):.2f}x req/s")
     if "kserve" in runs:
