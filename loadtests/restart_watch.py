@@ -87,6 +87,8 @@ class RestartWatch:
             self._mark("exited", fault_at)
         if "new process" not in self.marks:
             self._find_process(fault_at, boot_offset)
+        if "new process" not in self.marks:
+            return  # the port may still be the dying process's
         if "port bound" not in self.marks and _accepts(self.stage):
             self._mark("port bound", fault_at)
         if "port bound" not in self.marks:

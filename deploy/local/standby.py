@@ -6,11 +6,11 @@ Restarting a crashed service costs its interpreter start and its imports
 (grpc, numpy, ONNX Runtime, torch: seconds, tens of seconds on a busy host)
 before it can bind its port. The supervisor keeps one of these beside a
 service whose stage sets ``standby: true``: it imports MODULE (and whatever
-the module's ``preload()`` imports), then waits on stdin, starting no thread,
-no engine and no server, and listening on nothing. A line ``go`` makes it
-that service (``MODULE.main(ARGS)``), with the command line and environment
-the service would have had; end of input (the supervisor went away or no
-longer needs it) ends it.
+the module's ``preload(ARGS)`` imports for the models it would load), then
+waits on stdin, starting no thread, no engine and no server, and listening on
+nothing. A line ``go`` makes it that service (``MODULE.main(ARGS)``), with the
+command line and environment the service would have had; end of input (the
+supervisor went away or no longer needs it) ends it.
 
 Until it takes over, its command name (``/proc/PID/comm``) is ``STANDBY_NAME``,
 so a look at the process table can tell it from the service it stands in for.
@@ -51,7 +51,10 @@ def main(argv: Sequence[str]) -> int:
     module = importlib.import_module(argv[0])
     preload = getattr(module, "preload", None)
     if callable(preload):
-        preload()
+        try:
+            preload(list(argv[1:]))
+        except Exception as exc:  # the service itself reports a bad config when it runs
+            print(f"standby for {argv[0]}: preload failed: {exc!r}", file=sys.stderr)
     print(
         f"standby for {argv[0]}: imported in {time.monotonic() - began:.1f}s, waiting",
         file=sys.stderr,

@@ -7,6 +7,7 @@ vllm_lora) and torchserve models.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import sys
 from collections.abc import Sequence
 
@@ -21,6 +22,7 @@ from services.inference.vllm_lora import LoraBackend
 from shared.backend import Backend
 from shared.config import load_config
 from shared.launch import run_service
+from shared.repository import ModelRepository
 from shared.stage import StageConfig, build_stage_parts
 
 
@@ -38,13 +40,27 @@ def backends() -> dict[str, Backend]:
     return {b.name: b for b in every} | {LoraBackend.name: LoraBackend(llm)}
 
 
-def preload() -> None:
-    """Import what the backends import only when a model needs it (seconds each):
-    a standby (deploy/local/standby.py) calls this so its restart skips them.
-    vLLM stays out: its engine runs in processes of its own, and the LLM loads
-    after every other model."""
-    import onnxruntime  # noqa: F401
-    import torch  # noqa: F401
+PRELOADS = {
+    "onnxruntime": "onnxruntime",
+    "onnxruntime_onnx": "onnxruntime",
+    "pytorch": "torch",
+    "pytorch_libtorch": "torch",
+    "torchserve": "torch",
+}
+"""Backend -> the module its models import when they load (seconds each)."""
+
+
+def preload(argv: Sequence[str]) -> None:
+    """Import what the models this service would load need: a standby
+    (deploy/local/standby.py) calls this with the service's arguments, so its
+    restart skips those imports. vLLM stays out: its engine runs in processes of
+    its own, and the LLM loads after every other model."""
+    config = load_config(InferenceConfig, argv, service="inference")
+    repository = ModelRepository(config.model_repository)
+    names = config.load_models or repository.names()
+    backends = {repository.declared_backend(name) for name in names if repository.has(name)}
+    for module in sorted({PRELOADS[b] for b in backends if b in PRELOADS}):
+        importlib.import_module(module)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,4 +1,5 @@
-"""The local supervisor: starts the mesh, restarts a crashed stage, stops everything."""
+"""The local supervisor: starts the mesh, restarts a crashed stage (by its standby),
+stops everything."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import grpc
 import numpy as np
 import pytest
 
+from deploy.local.procfs import child_pids, start_ticks
+from deploy.local.standby import STANDBY_NAME
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.tensors import decode_outputs, encode_inputs
@@ -24,7 +27,7 @@ defaults: { host: 127.0.0.1, grace_period_s: 3 }
 services: {}
 supervisor:
   stages:
-    - { name: inference, module: services.inference.main, replicas: 1 }
+    - { name: inference, module: services.inference.main, replicas: 1, standby: true }
   restart_backoff_s: [0.2, 2.0]
 """
 
@@ -68,10 +71,27 @@ def alive(pid: int) -> bool:
     return True
 
 
+def standby_of(supervisor_pid: int, not_pid: int = 0) -> int:
+    """The PID of the supervisor's waiting standby (other than ``not_pid``), once it has one."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for pid in child_pids(supervisor_pid):
+            try:
+                if pid != not_pid and Path(f"/proc/{pid}/comm").read_text().strip() == STANDBY_NAME:
+                    return pid
+            except OSError:
+                continue
+        time.sleep(0.1)
+    raise AssertionError("no standby was started")
+
+
 def test_crashed_stage_is_restarted_and_sigterm_stops_everything(mesh) -> None:  # type: ignore[no-untyped-def]
     proc, info = mesh
     stage_pid = info["processes"]["inference-0"]["pid"]
     orchestrator_pid = info["processes"]["orchestrator"]["pid"]
+    # Once the stage is ready, an imported process waits to take its place.
+    standby = standby_of(proc.pid)
+    standby_started = start_ticks(standby)
     with grpc.insecure_channel(info["orchestrator"]) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         assert decode_outputs(stub.ModelInfer(add_request()))["OUTPUT0"].tolist() == [[2.0] * 4]
@@ -92,10 +112,17 @@ def test_crashed_stage_is_restarted_and_sigterm_stops_everything(mesh) -> None: 
                 assert time.monotonic() < deadline, "the stage was not brought back"
                 time.sleep(0.5)
 
+    # The standby took over (no new interpreter), and a new one waits once it is ready.
+    assert start_ticks(standby) == standby_started
+    assert Path(f"/proc/{standby}/comm").read_text().strip() != STANDBY_NAME
+    next_standby = standby_of(proc.pid, not_pid=standby)
     repo = str(info["repository"])
-    assert len(processes_mentioning(repo)) == 3  # supervisor, orchestrator, restarted stage
+    # supervisor, orchestrator, the stage (the standby that took over), the next standby
+    assert len(processes_mentioning(repo)) == 4
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
     assert not alive(orchestrator_pid)
     assert not alive(stage_pid)
+    assert not alive(standby)
+    assert not alive(next_standby)
     assert processes_mentioning(repo) == []
