@@ -20,6 +20,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from shared.errors import MeshError
 from shared.otlp_export import OtlpGrpcExporter
 from shared.span_recorder import SpanRecorder
 from shared.trace_ids import traceparent
@@ -28,8 +29,11 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 
 T = TypeVar("T")
 
-EXPORT_DELAY_S = 0.2
-"""How long a service holds its ended spans before sending them as one batch."""
+EXPORT_DELAY_S = 0.5
+"""How long a service holds its ended spans before sending them as one batch: an
+export call costs its sender and a Python collector (the trace store) about what
+a few dozen spans cost, so a busy service sends a few batches a second, not many
+small ones; a span can be looked up about this long after its request ended."""
 
 
 def make_tracer_provider(
@@ -115,9 +119,18 @@ def client_span(tracer: trace.Tracer, method: str) -> Iterator[None]:
     service, _, name = method.lstrip("/").rpartition("/")
     attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
     with tracer.start_as_current_span(
-        method.lstrip("/"), kind=trace.SpanKind.CLIENT, attributes=attributes
-    ):
-        yield
+        method.lstrip("/"),
+        kind=trace.SpanKind.CLIENT,
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            yield
+        except MeshError as exc:
+            # The call's status, as the client interceptor sets it for an RPC.
+            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+            raise
 
 
 def pop_parameters_context(parameters: Any) -> otel_context.Context | None:

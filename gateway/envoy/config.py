@@ -23,6 +23,7 @@ from typing import Any
 from gateway.envoy import stats, torchserve
 from gateway.envoy.access import JwtAuth, RateLimit, access_filters, route_rate_limits
 from gateway.envoy.cors import cors_filters, cors_policy
+from gateway.envoy.tracing import span_flush_runtime
 from gateway.envoy.upstream_tls import UpstreamTls, secure
 
 __all__ = ["EdgeSettings", "JwtAuth", "Limits", "RateLimit", "build_config"]
@@ -431,7 +432,7 @@ def build_config(settings: EdgeSettings) -> dict[str, Any]:
     if settings.metrics:
         clusters.append(stats.admin_cluster(settings.admin_socket))
         listeners.append(stats.stats_listener(_address(settings.metrics)))
-    return {
+    bootstrap = {
         # Admin (drain, stats, quit) only for this user, never over TCP.
         "admin": {"address": {"pipe": {"path": str(settings.admin_socket), "mode": 0o600}}},
         "overload_manager": _overload(settings),
@@ -440,6 +441,9 @@ def build_config(settings: EdgeSettings) -> dict[str, Any]:
             "clusters": secure(clusters, settings.upstream_tls),
         },
     }
+    if settings.otlp_endpoint:
+        bootstrap["layered_runtime"] = span_flush_runtime()
+    return bootstrap
 
 
 def _torchserve_listener(settings: EdgeSettings) -> list[dict[str, Any]]:

@@ -40,22 +40,30 @@ def by_id(spans: list[Span]) -> dict[str, Span]:
     return {span.span_id: span for span in spans}
 
 
-def test_one_trace_spans_every_hop(mesh: ServiceProcess, receiver: OtlpReceiver) -> None:
+@pytest.mark.parametrize(
+    ("trace_id", "timeout"),
+    # With a deadline each step is a ModelInfer of its own; without one, a
+    # message on the orchestrator's open stream to the stage: the same trace.
+    [(TRACE_ID, 30.0), ("1af7651916cd43dd8448eb211c80319c", None)],
+)
+def test_one_trace_spans_every_hop(
+    mesh: ServiceProcess, receiver: OtlpReceiver, trace_id: str, timeout: float | None
+) -> None:
     request = pb.ModelInferRequest(model_name="diamond")
     encode_inputs(request, {"A": np.ones((1, 4), np.float32), "B": np.ones((1, 4), np.float32)})
     with grpc.insecure_channel(mesh.address) as channel:
         pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
-            request, timeout=30, metadata=[("traceparent", f"00-{TRACE_ID}-{CLIENT_SPAN}-01")]
+            request, timeout=timeout, metadata=[("traceparent", f"00-{trace_id}-{CLIENT_SPAN}-01")]
         )
 
     def complete(spans: list[Span]) -> bool:
-        mine = [s for s in spans if s.trace_id == TRACE_ID]
+        mine = [s for s in spans if s.trace_id == trace_id]
         # The orchestrator's server span ends after its children, so once it has
         # arrived the step and client spans have too.
         orchestrator_done = any(s.service == "orchestrator" and s.kind == 2 for s in mine)
         return orchestrator_done and sum(1 for s in mine if s.service == "inference") >= 3
 
-    spans = [s for s in receiver.wait_for(complete) if s.trace_id == TRACE_ID]
+    spans = [s for s in receiver.wait_for(complete) if s.trace_id == trace_id]
     index = by_id(spans)
 
     (root,) = [s for s in spans if s.service == "orchestrator" and s.kind == 2]  # SERVER
@@ -84,6 +92,40 @@ def test_one_trace_spans_every_hop(mesh: ServiceProcess, receiver: OtlpReceiver)
         assert step.attributes["meshserve.model"] == span.attributes["meshserve.model"]
         assert span.attributes["meshserve.queue_us"] >= 0
         assert span.attributes["meshserve.compute_us"] > 0
+
+
+def test_a_stage_model_forwarded_on_a_stream_keeps_its_client_span(
+    mesh: ServiceProcess, receiver: OtlpReceiver
+) -> None:
+    """A stage model's request without a deadline travels as a message on the
+    orchestrator's stream to the stage, its trace with it: the orchestrator's
+    server span, its client span for the call, the stage's server span."""
+    trace_id = "2af7651916cd43dd8448eb211c80319c"
+    request = pb.ModelInferRequest(model_name="add_sub")
+    encode_inputs(
+        request, {"INPUT0": np.ones((1, 4), np.float32), "INPUT1": np.ones((1, 4), np.float32)}
+    )
+    with grpc.insecure_channel(mesh.address) as channel:
+        _, call = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer.with_call(
+            request, metadata=[("traceparent", f"00-{trace_id}-{CLIENT_SPAN}-01")]
+        )
+    (header,) = [v for k, v in call.trailing_metadata() if k == "traceparent"]
+
+    def complete(spans: list[Span]) -> bool:
+        return {"orchestrator", "inference"} <= {
+            s.service for s in spans if s.trace_id == trace_id and s.kind == 2
+        }
+
+    spans = [s for s in receiver.wait_for(complete) if s.trace_id == trace_id]
+    index = by_id(spans)
+    (stage,) = [s for s in spans if s.service == "inference"]
+    assert stage.kind == 2 and stage.attributes["meshserve.model"] == "add_sub"
+    assert stage.attributes["meshserve.compute_us"] > 0
+    client = index[stage.parent_id]
+    assert (client.service, client.kind) == ("orchestrator", 3)  # CLIENT
+    server = index[client.parent_id]
+    assert (server.kind, server.parent_id) == (2, CLIENT_SPAN)
+    assert header == f"00-{trace_id}-{server.span_id}-01"
 
 
 def test_a_request_its_caller_did_not_sample_records_no_span(
