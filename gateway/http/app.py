@@ -84,18 +84,22 @@ def _model(request: web.Request) -> tuple[str, str]:
     return request.match_info["name"], request.match_info.get("version", "")
 
 
+def _too_large(limit: int) -> rest.PayloadTooLarge:
+    # Built when needed only: an exception object per request is measurable.
+    return rest.PayloadTooLarge(
+        f"request body exceeds {limit} bytes (max_body_bytes of the HTTP adapter)"
+    )
+
+
 async def _read_body(request: web.Request) -> bytes:
     """The request body, size-checked and with its Content-Encoding undone."""
     limit = request.app[STATE].max_body_bytes
-    too_large = rest.PayloadTooLarge(
-        f"request body exceeds {limit} bytes (max_body_bytes of the HTTP adapter)"
-    )
     if request.content_length is not None and request.content_length > limit:
-        raise too_large
+        raise _too_large(limit)
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise too_large from None
+        raise _too_large(limit) from None
     encoding = request.headers.get("Content-Encoding")
     return await _offload(len(body), rest.decode_body, body, encoding, limit)
 
