@@ -23,9 +23,10 @@ itself to. ``--plot`` writes a PNG of req/s and server CPU per request.
 
 ``--perf-analyzer`` also runs Triton's perf_analyzer on each way it speaks,
 right after the closed loop's window (triton_load.py); ``--only mesh-log``
-adds the mesh with Envoy's access log on, ``--only baseline --baseline DIR``
-the mesh of another source tree (an older commit's ``git archive``), each
-with the mesh's ways, side by side.
+adds the mesh with Envoy's access log on, ``--only mesh-door`` the mesh with
+the HTTP front door inside the orchestrator (``supervisor.http_front_door:
+orchestrator``), ``--only baseline --baseline DIR`` the mesh of another source
+tree (an older commit's ``git archive``), each with the mesh's ways, side by side.
 """
 
 from __future__ import annotations
@@ -59,9 +60,15 @@ from peers.ways import Way, all_ways, plain_json
 
 from deploy.local.procfs import TICKS
 
-SERVERS = ("mesh", "kserve", "torchserve", "fastapi", "mesh-log", "baseline")
-"""mesh-log: the mesh with Envoy's access log on; baseline: the mesh of --baseline's tree."""
-MESH_LIKE = {"mesh-log": "mesh+log: ", "baseline": "baseline: "}
+SERVERS = ("mesh", "kserve", "torchserve", "fastapi", "mesh-log", "baseline", "mesh-door")
+"""mesh-log: the mesh with Envoy's access log on; baseline: the mesh of --baseline's tree;
+mesh-door: the mesh with REST served by the orchestrator itself (http_front_door)."""
+MESH_LIKE = {"mesh-log": "mesh+log: ", "baseline": "baseline: ", "mesh-door": "in-orch: "}
+VARIANTS: dict[str, dict[str, dict[str, object]]] = {
+    "mesh-log": {"envoy": {"access_log": True}},
+    "mesh-door": {"supervisor": {"http_front_door": "orchestrator"}},
+}
+"""Each mesh variant's changes to the mesh YAML (a service's settings, or the supervisor's)."""
 CACHE = Path("~/.cache/meshserve").expanduser()
 
 
@@ -101,10 +108,8 @@ def started(server: str, work: Path, settings: Settings) -> Iterator[Running | N
     """The server, running; None (with a line saying why) where it cannot start here."""
     model_pt = work / "model.pt"
     folder = Path(tempfile.mkdtemp(prefix=f"{server}-", dir=work))
-    if server in ("mesh", "mesh-log", "baseline"):
-        overrides: dict[str, dict[str, object]] = {}
-        if server == "mesh-log":
-            overrides = {"envoy": {"access_log": True}}
+    if server == "mesh" or server in MESH_LIKE:
+        overrides = VARIANTS.get(server, {})
         root = settings.baseline if server == "baseline" and settings.baseline else servers.ROOT
         with servers.mesh(work / "repository", folder, overrides, root) as running:
             yield running

@@ -171,6 +171,12 @@ _GOALS = (
     ("Envoy gRPC / stage direct", "Envoy gRPC", "stage direct", 0.8),
     ("Envoy gRPC / KServe gRPC", "Envoy gRPC", "KServe gRPC", 1.0),
     ("Envoy REST JSON / KServe REST JSON", "Envoy REST JSON", "KServe REST JSON", 1.0),
+    (
+        "in-orch: Envoy REST JSON / KServe REST JSON",
+        "in-orch: Envoy REST JSON",
+        "KServe REST JSON",
+        1.0,
+    ),
     ("Envoy REST binary / KServe REST binary", "Envoy REST binary", "KServe REST binary", 1.0),
     ("orchestrator gRPC / stage direct", "orchestrator gRPC", "stage direct", 0.8),
     ("FastAPI JSON / Envoy REST JSON", "FastAPI JSON", "Envoy REST JSON", float("nan")),

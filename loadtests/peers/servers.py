@@ -116,8 +116,11 @@ def mesh_config(folder: Path, overrides: dict[str, dict[str, object]], root: Pat
     supervisor["trace_store"] = False
     supervisor["jobs"] = {"enabled": False}
     supervisor["stages"] = [s for s in supervisor["stages"] if s["name"] == "inference"]
-    for service, settings in overrides.items():
-        document["services"].setdefault(service, {}).update(settings)
+    for section, settings in overrides.items():
+        # "supervisor": the supervisor's own settings; any other name: that service's.
+        services = document["services"]
+        target = supervisor if section == "supervisor" else services.setdefault(section, {})
+        target.update(settings)
     path = folder / "mesh.yaml"
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path
