@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _UNSAMPLED = TraceFlags(TraceFlags.DEFAULT)
 _SCALARS = (str, bool, int, float)
+_SCALAR_TYPES = frozenset(_SCALARS)
 _LOW_64 = (1 << 64) - 1
 _UNSET = Status(StatusCode.UNSET)
 
@@ -113,7 +114,7 @@ class RecordedSpan(trace.Span):
     def set_attribute(self, key: str, value: types.AttributeValue) -> None:
         if self.end_time is not None:
             return
-        if isinstance(value, _SCALARS):
+        if type(value) in _SCALAR_TYPES or isinstance(value, _SCALARS):
             self.attributes[key] = value
         elif isinstance(value, Sequence) and all(isinstance(v, _SCALARS) for v in value):
             self.attributes[key] = tuple(value)

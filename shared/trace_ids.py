@@ -17,7 +17,8 @@ def traceparent(span: trace.Span) -> str | None:
     context = span.get_span_context()
     if not context.is_valid:
         return None
-    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+    # %-formatting: this runs several times per request, and costs less than an f-string.
+    return "00-%032x-%016x-%02x" % (context.trace_id, context.span_id, context.trace_flags)  # noqa: UP031
 
 
 def current_trace_id() -> str | None:

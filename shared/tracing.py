@@ -10,6 +10,7 @@ requests, each request carries them as string parameters of the same names.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -18,6 +19,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from shared.errors import MeshError
@@ -67,7 +69,33 @@ def make_tracer_provider(
 def extract_context(metadata: Iterable[tuple[str, Any]] | None) -> otel_context.Context:
     """The trace context carried by incoming gRPC metadata (empty if none)."""
     carrier = {key: value for key, value in (metadata or ()) if isinstance(value, str)}
-    return _PROPAGATOR.extract(carrier)
+    return _context_of(carrier)
+
+
+_VERSION_00 = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+"""A ``traceparent`` of the W3C version every hop of the mesh sends."""
+
+
+def _context_of(carrier: Mapping[str, str]) -> otel_context.Context:
+    """The context ``carrier`` (W3C fields) names: read here for the version-00
+    header every hop sends (a compiled pattern, no getter calls, each request at
+    every hop), by OpenTelemetry's propagator for anything else."""
+    header = carrier.get("traceparent")
+    match = _VERSION_00.fullmatch(header) if header is not None else None
+    if match is None:
+        return _PROPAGATOR.extract(carrier) if header is not None else otel_context.Context()
+    trace_id, span_id = int(match[1], 16), int(match[2], 16)
+    if not trace_id or not span_id:
+        return otel_context.Context()  # invalid ids: no parent, as the propagator says
+    state = carrier.get("tracestate")
+    caller = SpanContext(
+        trace_id,
+        span_id,
+        is_remote=True,
+        trace_flags=TraceFlags(int(match[3], 16)),
+        trace_state=TraceState.from_header([state]) if state else None,
+    )
+    return trace.set_span_in_context(NonRecordingSpan(caller), otel_context.Context())
 
 
 def inject_metadata(
@@ -141,7 +169,7 @@ def pop_parameters_context(parameters: Any) -> otel_context.Context | None:
         if key in parameters:
             carrier[key] = parameters[key].string_param
             del parameters[key]
-    return _PROPAGATOR.extract(carrier) if carrier else None
+    return _context_of(carrier) if carrier else None
 
 
 def traceparent_of(metadata: Mapping[str, str]) -> str | None:

@@ -16,6 +16,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
@@ -24,6 +25,7 @@ from shared.interceptors import DrainGate, ErrorInterceptor, TracingInterceptor,
 from shared.servicer import FORWARD_HEADER, BaseServicer
 from shared.tracing import (
     current_carrier,
+    extract_context,
     inject_metadata,
     inject_parameters,
     make_tracer_provider,
@@ -239,6 +241,32 @@ def test_each_request_forwarded_on_a_stream_gets_its_own_server_span() -> None:
     assert failed.attributes is not None and failed.attributes["meshserve.model"] == "bad"
     assert not failed.status.is_ok and "input 'X'" in (failed.status.description or "")
     assert current["~2"] == 0  # no trace: no span current
+
+
+@pytest.mark.parametrize(
+    "carrier",
+    [
+        {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+        {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"},
+        {
+            "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "tracestate": "vendor=x1,other=y",
+        },
+        {"traceparent": "00-0AF7651916CD43DD8448EB211C80319C-B7AD6B7169203331-01"},
+        {"traceparent": "00-00000000000000000000000000000000-b7ad6b7169203331-01"},
+        {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01"},
+        {"traceparent": "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+        {"traceparent": "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-extra"},
+        {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-extra"},
+        {"traceparent": "00-0x_7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+        {"tracestate": "vendor=x1"},
+        {},
+    ],
+)
+def test_the_context_read_from_a_header_is_the_propagators(carrier: dict[str, str]) -> None:
+    ours = trace.get_current_span(extract_context(list(carrier.items())))
+    theirs = trace.get_current_span(TraceContextTextMapPropagator().extract(carrier))
+    assert ours.get_span_context() == theirs.get_span_context()
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
