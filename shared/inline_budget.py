@@ -8,9 +8,13 @@ whose backend says its compute is safe to run on the loop (``LoopSafeInstance``:
 the pytorch and onnxruntime backends, whose compute never calls back into the
 loop) runs a batch right there once its batches are measured cheap:
 
-- every batch's execution time is measured (wall time, in the thread or on the
-  loop) and learned as a running average that jumps at once to any slower
-  batch and falls back slowly (``WEIGHT``);
+- every batch's CPU time is measured in the thread that runs it (the instance's
+  or the loop's) and learned as a running average that jumps at once to any
+  slower batch and falls back slowly (``WEIGHT``). CPU time, not wall time: on
+  a busy host a batch's wall time in the thread also counts its waits for the
+  GIL and for a core, which would keep a cheap model in its thread exactly
+  when the hand-off costs most. Only CPU instances are loop-safe (a GPU forward
+  waits on the device without using the CPU);
 - a batch runs on the loop when at least ``SAMPLES`` batches were measured and
   the learned time is within the bound (the ``inline_execution_us`` parameter of
   the model's config, ``DEFAULT_BOUND_US`` when absent, 0: always the thread);
@@ -54,8 +58,8 @@ WEIGHT = 0.125
 @runtime_checkable
 class LoopSafeInstance(Protocol):
     """A backend instance whose ``execute`` may run on the event loop's thread:
-    it neither blocks on nor calls into the loop, and its framework's threads are
-    set per call (not per thread)."""
+    it neither blocks on nor calls into the loop, computes on the CPU (its CPU
+    time is its cost), and its framework's threads are set per call."""
 
     loop_safe: bool
 

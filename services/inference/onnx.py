@@ -41,7 +41,7 @@ class OnnxInstance(TensorInstance):
     loop_safe = True
     """A session's run never touches the event loop and its threads are the
     session's own: a small model's batches run on the loop once measured cheap
-    (shared/inline_budget.py)."""
+    (shared/inline_budget.py); CPU sessions only."""
 
     def __init__(self, spec: ModelSpec, instance: InstanceSpec) -> None:
         super().__init__(spec)
@@ -64,6 +64,7 @@ class OnnxInstance(TensorInstance):
         # Named, never "whatever is installed": an accelerated provider (oneDNN,
         # OpenVINO) picked by the host could compute in another precision.
         providers: list[str | tuple[str, dict[str, str]]] = ["CPUExecutionProvider"]
+        self.loop_safe = not instance.device.startswith("cuda")
         if instance.device.startswith("cuda"):
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise ConfigError(

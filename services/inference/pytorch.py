@@ -86,7 +86,7 @@ class PyTorchInstance(TensorInstance):
 
     loop_safe = True
     """A forward never touches the event loop: a small model's batches run on it
-    once measured cheap (shared/inline_budget.py)."""
+    once measured cheap (shared/inline_budget.py); CPU instances only."""
 
     def __init__(self, spec: ModelSpec, instance: InstanceSpec) -> None:
         super().__init__(spec)
@@ -98,6 +98,7 @@ class PyTorchInstance(TensorInstance):
         # batch may run in the instance's thread or on the event loop's, so each
         # forward sets it where it runs (``_threads_here``).
         self._threads = instance.intra_op_threads if instance.device == "cpu" else 0
+        self.loop_safe = instance.device == "cpu"
         self._threads_here()
         self.device = torch.device(instance.device)
         self.module = _load_module(spec, self.device).eval()

@@ -74,9 +74,9 @@ def test_the_bound_is_the_models_parameter_or_the_default() -> None:
             inline_bound_us(config(bound(bad)))
 
 
-class _Sleeper:
-    """A loop-safe backend instance that takes ``seconds`` per batch and says
-    which thread ran it."""
+class _Spinner:
+    """A loop-safe backend instance that computes for ``seconds`` of CPU per batch
+    and says which thread ran it."""
 
     loop_safe = True
 
@@ -86,7 +86,9 @@ class _Sleeper:
 
     def execute(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
         self.threads.append(threading.get_ident())
-        time.sleep(self.seconds)
+        started = time.thread_time()
+        while time.thread_time() - started < self.seconds:
+            pass
         return [InferResponse(outputs={"Y": r.inputs["X"] + 1}) for r in requests]
 
     def close(self) -> None:
@@ -94,18 +96,18 @@ class _Sleeper:
 
 
 def test_a_slow_batch_moves_a_cheap_instance_back_to_its_thread() -> None:
-    sleeper = _Sleeper()
+    spinner = _Spinner()
     executor = ThreadPoolExecutor(1)
     stats = StatsRecorder("m", "1", None)
-    threaded = QuickThreadedInstance(INSTANCE, sleeper, executor, stats, True, InlineBudget(20_000))
+    threaded = QuickThreadedInstance(INSTANCE, spinner, executor, stats, True, InlineBudget(20_000))
     batch = [InferRequest("m", "1", {"X": np.zeros((1, 2), np.float32)})]
 
     async def main() -> int:
         for _ in range(SAMPLES + 2):  # the first SAMPLES in the thread, then the loop
             await threaded.execute(batch)
-        sleeper.seconds = 0.05  # over the 20 ms bound: this one still runs inline...
+        spinner.seconds = 0.05  # over the 20 ms bound: this one still runs inline...
         await threaded.execute(batch)
-        sleeper.seconds = 0.0
+        spinner.seconds = 0.0
         await threaded.execute(batch)  # ...the next goes to the thread
         assert threaded.execute_now(batch) is None  # and none skips the queue
         return threading.get_ident()
@@ -114,7 +116,7 @@ def test_a_slow_batch_moves_a_cheap_instance_back_to_its_thread() -> None:
         loop_thread = asyncio.run(main())
     finally:
         executor.shutdown()
-    on_loop = [thread == loop_thread for thread in sleeper.threads]
+    on_loop = [thread == loop_thread for thread in spinner.threads]
     assert on_loop == [False] * SAMPLES + [True, True, True, False]
     assert stats.stats.execution_count == SAMPLES + 4
 
