@@ -29,6 +29,7 @@ from tests.conftest import DATA, build_repository
 from tests.e2e.conftest import start_mesh, stop_mesh
 from tests.harness import scrape_metrics
 from tests.in_process import MeshThread
+from tests.integration.test_http_rest import GEN_CONFIG, GEN_MODEL
 
 TIMEOUT_S = 0.5
 """The front door's request_timeout_s: the slow model outlasts it on purpose."""
@@ -73,6 +74,9 @@ def thread(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshThread]:
     repo = tmp_path_factory.mktemp("front-door-repo")
     for name in ("add_sub", "slow"):
         shutil.copytree(DATA / "models" / name, repo / name)
+    (repo / "gen" / "1").mkdir(parents=True)  # a decoupled model: one response per word
+    (repo / "gen" / "config.pbtxt").write_text(GEN_CONFIG)
+    (repo / "gen" / "1" / "model.py").write_text(GEN_MODEL)
     mesh = MeshThread(repo, grace_s=2)
     yield mesh
     mesh.close()
@@ -127,12 +131,31 @@ def test_model_information_readiness_and_the_loopback_calls(door: Door) -> None:
     status, _, body = door.call("GET", "/v2/models/add_sub/config")
     assert status == 200 and json.loads(body)["max_batch_size"] == 8
     status, _, body = door.call("POST", "/v2/repository/index", b"{}")
-    assert {row["name"] for row in json.loads(body)} == {"add_sub", "slow"}
-    # Server metadata and log settings are the v2 servicer's: over gRPC to this process.
+    assert {row["name"] for row in json.loads(body)} == {"add_sub", "slow", "gen"}
+    # Server metadata, log settings and the OpenAI routes' meshserve.v1 calls are the
+    # servicers': over gRPC to this process's own port.
     status, _, body = door.call("GET", "/v2")
     assert status == 200 and json.loads(body)["name"] == "meshserve"
     status, _, body = door.call("GET", "/v2/logging")
     assert status == 200 and "log_verbose_level" in json.loads(body)
+    status, _, body = door.call("GET", "/v1/models")  # the pipelines: none here
+    assert status == 200 and json.loads(body) == {"object": "list", "data": []}
+    embed = json.dumps({"model": "nonexistent", "input": "hi"}).encode()
+    status, _, body = door.call("POST", "/v1/embeddings", embed)
+    assert status == 404 and "nonexistent" in json.loads(body)["error"]["message"]
+
+
+def test_a_decoupled_model_streams_through_the_core(door: Door) -> None:
+    body = json.dumps({"text_input": "one two three", "parameters": {"max_tokens": 2}})
+    status, headers, answer = door.call("POST", "/v2/models/gen/generate_stream", body.encode())
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream"), answer
+    events = [
+        json.loads(line.removeprefix("data: "))
+        for line in answer.decode().splitlines()
+        if line.startswith("data: ")
+    ]
+    assert [event["text_output"] for event in events] == [" one", " two", ""]
+    assert events[-1]["finish_reason"] == "length"
 
 
 def test_errors_keep_their_statuses_and_messages(door: Door) -> None:
