@@ -24,6 +24,7 @@ from deploy.local.service_process import ProcessSpec
 
 MODES = ("orchestrator", "process")
 DEFAULT_MODE = "process"
+HTTP_PORT_FLAG = "--http-port"
 IN_ORCHESTRATOR = "gateway.http.in_orchestrator"
 """The orchestrator's entry point with the HTTP front door on its loop."""
 SETTINGS = ("max_body_bytes", "request_timeout_s", "model_store")
@@ -42,18 +43,25 @@ def front_door_mode(mesh: dict[str, Any]) -> str:
 
 def place_front_door(
     mesh: dict[str, Any], orchestrator: ProcessSpec, edge: Sequence[ProcessSpec]
-) -> tuple[ProcessSpec, list[ProcessSpec], list[Listener]]:
+) -> tuple[ProcessSpec, list[ProcessSpec]]:
     """The orchestrator and edge processes with the HTTP front door where the mesh
-    YAML puts it, and the listener the orchestrator adds to the port plan."""
+    YAML puts it (``front_door_listeners`` names the port it adds to the plan)."""
     adapters = [spec for spec in edge if spec.stage == "http_adapter"]
     if front_door_mode(mesh) == "process" or not adapters:
-        return orchestrator, list(edge), []
+        return orchestrator, list(edge)
     (adapter,) = adapters
     settings = ((mesh.get("services") or {}).get("http_adapter")) or {}
-    flags: list[str] = ["--http-port", str(adapter.grpc_port)]
+    flags: list[str] = [HTTP_PORT_FLAG, str(adapter.grpc_port)]
     for name in SETTINGS:
         if settings.get(name) is not None:
             flags += [f"--{name.replace('_', '-')}", str(settings[name])]
     served = replace(orchestrator, module=IN_ORCHESTRATOR, args=(*orchestrator.args, *flags))
-    rest = [spec for spec in edge if spec is not adapter]
-    return served, rest, [Listener("orchestrator", "HTTP", adapter.grpc_port)]
+    return served, [spec for spec in edge if spec is not adapter]
+
+
+def front_door_listeners(spec: ProcessSpec) -> list[Listener]:
+    """The HTTP port of a process that serves the front door beside its gRPC port."""
+    if spec.port_flag == HTTP_PORT_FLAG or HTTP_PORT_FLAG not in spec.args:
+        return []
+    port = int(spec.args[spec.args.index(HTTP_PORT_FLAG) + 1])
+    return [Listener(spec.name, "HTTP", port)]

@@ -42,7 +42,7 @@ from typing import Any
 
 import yaml
 
-from deploy.local.http_front_door import place_front_door
+from deploy.local.http_front_door import front_door_listeners, place_front_door
 from deploy.local.placement import CorePlacer, Placement
 from deploy.local.port_plan import Listener, PortPlanError, check_ports
 from deploy.local.redis_server import plan_jobs
@@ -131,6 +131,7 @@ def plan(
         if ((mesh.get("supervisor") or {}).get("edge", False))
         else []
     )
+    orchestrator, edge = place_front_door(mesh, orchestrator, edge)
     return stages, orchestrator, edge
 
 
@@ -146,6 +147,7 @@ def listeners(specs: Sequence[ProcessSpec]) -> list[Listener]:
         role = "HTTP" if spec.port_flag == "--http-port" else "gRPC"
         found += [Listener(spec.name, role, spec.grpc_port)]
         found += [Listener(spec.name, "metrics", spec.metrics_port)]
+        found += front_door_listeners(spec)
     return found
 
 
@@ -203,13 +205,10 @@ async def supervise(args: argparse.Namespace) -> int:
         stage_specs, orchestrator_spec, edge_specs = plan(
             mesh, repository, args.ports == "auto", {k: int(v) for k, v in replicas.items()}
         )
-        orchestrator_spec, edge_specs, front_door = place_front_door(
-            mesh, orchestrator_spec, edge_specs
-        )
         host = (mesh.get("defaults") or {}).get("host", "127.0.0.1")
         jobs = plan_jobs(mesh, args.ports == "auto", f"{host}:{orchestrator_spec.grpc_port}")
         stage_specs, edge_specs = [*stage_specs, *jobs.redis], [*edge_specs, *jobs.workers]
-        planned = [*listeners([*stage_specs, orchestrator_spec, *edge_specs]), *front_door]
+        planned = listeners([*stage_specs, orchestrator_spec, *edge_specs])
         auto = args.ports == "auto"
         traces = plan_traces(mesh, auto, host, [p.port for p in planned], free_port)
         edge_specs = route_edge(edge_specs, traces)
