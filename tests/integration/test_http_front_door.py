@@ -30,6 +30,7 @@ from tests.e2e.conftest import start_mesh, stop_mesh
 from tests.harness import scrape_metrics
 from tests.in_process import MeshThread
 from tests.integration.test_http_rest import GEN_CONFIG, GEN_MODEL
+from tests.otlp import OtlpReceiver, Span
 
 TIMEOUT_S = 0.5
 """The front door's request_timeout_s: the slow model outlasts it on purpose."""
@@ -192,8 +193,29 @@ def test_drain_lets_the_request_in_flight_finish_and_refuses_new_ones(thread: Me
         door.call("GET", "/v2/health/ready")
 
 
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def check_trace(receiver: OtlpReceiver) -> None:
+    """The HTTP server span is the orchestrator's; its stage call and the stage's span
+    hang below it, in the caller's trace."""
+
+    def complete(spans: list[Span]) -> bool:
+        kinds = {(s.service, s.kind) for s in spans if s.trace_id == TRACE_ID}
+        return {("orchestrator", 2), ("orchestrator", 3), ("inference", 2)} <= kinds
+
+    spans = [s for s in receiver.wait_for(complete) if s.trace_id == TRACE_ID]
+    (server,) = [s for s in spans if s.service == "orchestrator" and s.kind == 2]  # SERVER
+    assert server.name == "POST /v2/models/{name}/infer"
+    assert server.attributes["meshserve.model"] == "add_sub"
+    (client,) = [s for s in spans if s.service == "orchestrator" and s.kind == 3]  # CLIENT
+    assert client.parent_id == server.span_id
+    (stage,) = [s for s in spans if s.service == "inference" and s.kind == 2]
+    assert stage.parent_id == client.span_id
+
+
 MESH = """
-defaults: { host: 127.0.0.1, grace_period_s: 3 }
+defaults: { host: 127.0.0.1, grace_period_s: 3, otlp_endpoint: "%s" }
 services:
   http_adapter: { max_body_bytes: 4096 }
 supervisor:
@@ -206,20 +228,26 @@ supervisor:
 """
 
 
-def test_the_local_mesh_serves_rest_from_the_orchestrator(tmp_path: Path) -> None:
+def test_the_local_mesh_serves_rest_from_the_orchestrator(
+    tmp_path: Path, receiver: OtlpReceiver
+) -> None:
     repo = build_repository(tmp_path / "repo", ["add_sub"], [])
     config = tmp_path / "mesh.yaml"
-    config.write_text(MESH)
+    config.write_text(MESH % receiver.endpoint)
     proc, info = start_mesh(repo, config, ["--grace-s", "5"])
     try:
         assert set(info["processes"]) == {"orchestrator", "inference-0", "envoy"}
         edge = info["processes"]["envoy"]["grpc"]
         request = urllib.request.Request(
-            f"http://{edge}/v2/models/add_sub/infer", data=add_sub_body(), method="POST"
+            f"http://{edge}/v2/models/add_sub/infer",
+            data=add_sub_body(),
+            headers={"traceparent": f"00-{TRACE_ID}-00f067aa0ba902b7-01"},
+            method="POST",
         )
         with urllib.request.urlopen(request, timeout=30) as answer:
             outputs = {o["name"]: o["data"] for o in json.loads(answer.read())["outputs"]}
         assert outputs["OUTPUT0"] == [11, 12, 13, 14]
+        check_trace(receiver)
         # The adapter's settings in the mesh YAML hold for the orchestrator's front door.
         big = np.zeros(2048, np.float32).tolist()
         large = json.dumps({"inputs": [{"name": "X", "shape": [2048], "data": big}]}).encode()
