@@ -14,7 +14,11 @@ The request path, one module each::
     sse.py        the one SSE writer and the one pump from a gRPC stream into it
       |
     upstream.py   the orchestrator's typed v2 and meshserve.v1 calls over a pool of channels
+      core_upstream.py  the same v2 calls answered by the orchestrator's core in process
 
-``main.py`` holds the config and ``serve``:
-``python -m gateway.http.main --orchestrator 127.0.0.1:8001 --http-port 8007``.
+``front_door.py`` holds the settings both hosts share, the listener and its drain;
+``main.py`` runs the app as a process of its own over gRPC:
+``python -m gateway.http.main --orchestrator 127.0.0.1:8001 --http-port 8007``;
+``in_orchestrator.py`` runs it inside the orchestrator, over its core
+(docs/http-front-door.md).
 """
