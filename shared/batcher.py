@@ -10,10 +10,10 @@ The request path, one line per step::
     delivery     each caller gets its own result (in arrival order if preserve_ordering)
 
 Without dynamic batching, a request that finds nothing queued and an idle
-instance that calls it cheap (an ``ImmediateInstance``: a tokenizer's short text)
-skips the queue: it runs at once in the caller's task, which saves the worker's
-wake-up and the future's hand-off, a sizeable share of a short stage message
-(docs/performance.md).
+instance that calls it cheap (an ``ImmediateInstance``: a tokenizer's short text,
+a small model measured cheap by ``shared/inline_budget.py``) skips the queue: it
+runs at once in the caller's task, which saves the worker's wake-up and the
+future's hand-off, a sizeable share of a short stage message (docs/performance.md).
 
 Batch planning follows Triton's ``GetDynamicBatch``: walk the queues in priority
 order from the head and keep requests while they have the head's shape key and the
