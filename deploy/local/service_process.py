@@ -29,7 +29,9 @@ HEALTHY_AFTER_S = 30.0
 that restart waits the first delay again."""
 ORPHAN_GRACE_S = 2.0
 """After a crash, how long what the process left behind (vLLM's engine) may take to
-end on SIGTERM before SIGKILL: nothing can use it any more, and the restart waits."""
+end on SIGTERM before SIGKILL: nothing can use it any more. The restart does not
+wait for it: it holds no port (the listening socket went with the crashed process),
+and a restarted stage loads its heavy models (an LLM engine) after the others."""
 EXIT_POLL_S = 0.1
 """How often a running process is checked for having exited."""
 
@@ -96,6 +98,8 @@ class ManagedProcess:
     _standby: Standby | None = None
     """The process waiting to take over (``spec.standby``), once prepared."""
     _preparing: asyncio.Task[None] | None = None
+    _orphans: set[asyncio.Task[None]] = field(default_factory=set)
+    """Ending what crashed processes left behind (a stop waits for them)."""
 
     async def run(self) -> None:
         """Start, and restart after unexpected exits, until stopped."""
@@ -110,8 +114,9 @@ class ManagedProcess:
             self.ready.clear()
             if self.stopping:
                 return
-            # What the process left behind (an LLM engine holding its memory) goes first.
-            await self._end_tree(min(self.grace_s, ORPHAN_GRACE_S))
+            # What the process left behind (an LLM engine holding its memory) ends
+            # beside the restart.
+            await self._end_left_behind()
             # One crash after a good run is restarted at once; a crash loop backs off.
             healthy = time.monotonic() - started > HEALTHY_AFTER_S
             wait = 0.0 if healthy else delay
@@ -199,6 +204,26 @@ class ManagedProcess:
                 continue
             print(f"[{self.spec.name}] {line}", file=sys.stderr, flush=True)
 
+    async def _end_left_behind(self) -> None:
+        """End the exited process's tree in the background (SIGKILL after the grace)."""
+        async with self._lifecycle:
+            leader, self._leader = self._leader, None
+        if leader is None:
+            return
+        grace_s = min(self.grace_s, ORPHAN_GRACE_S)
+
+        async def end() -> None:
+            killed = await end_process_tree(*leader, grace_s, self.hurry)
+            if killed:
+                log(
+                    f"{self.spec.name}: what it left behind did not end within {grace_s:.1f}s: "
+                    f"killed PIDs {', '.join(map(str, killed))}"
+                )
+
+        task = asyncio.create_task(end())
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
+
     async def _end_tree(self, grace_s: float | None = None) -> None:
         """End the process and all it started (once; a later call waits for the first)."""
         grace_s = self.grace_s if grace_s is None else grace_s
@@ -226,6 +251,7 @@ class ManagedProcess:
         if standby is not None:
             await standby.end()
         await self._end_tree()
+        await asyncio.gather(*self._orphans, return_exceptions=True)
         for pump in self._pumps:
             pump.cancel()
         await asyncio.gather(*self._pumps, return_exceptions=True)

@@ -18,6 +18,7 @@ from services.inference.python import PythonBackend
 from services.inference.pytorch import PyTorchBackend
 from services.inference.torchserve import TorchServeBackend
 from services.inference.vllm import VllmBackend
+from services.inference.vllm import preload as vllm_preload
 from services.inference.vllm_lora import LoraBackend
 from shared.backend import Backend
 from shared.config import load_config
@@ -53,14 +54,17 @@ PRELOADS = {
 def preload(argv: Sequence[str]) -> None:
     """Import what the models this service would load need: a standby
     (deploy/local/standby.py) calls this with the service's arguments, so its
-    restart skips those imports. vLLM stays out: its engine runs in processes of
-    its own, and the LLM loads after every other model."""
+    restart skips those imports. With an LLM, vLLM's client too: its engine runs
+    in processes of its own, but the client's import would hold the GIL, and with
+    it the event loop, for seconds while the other models serve."""
     config = load_config(InferenceConfig, argv, service="inference")
     repository = ModelRepository(config.model_repository)
     names = config.load_models or repository.names()
     backends = {repository.declared_backend(name) for name in names if repository.has(name)}
     for module in sorted({PRELOADS[b] for b in backends if b in PRELOADS}):
         importlib.import_module(module)
+    if backends & {VllmBackend.name, LoraBackend.name}:
+        vllm_preload()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

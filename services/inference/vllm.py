@@ -208,8 +208,18 @@ class _RequestTimer:
         series.finished(finish_reason)
 
 
-def _prepare_environment() -> None:
-    """Process-wide settings vLLM reads from the environment, set before it starts."""
+def preload() -> None:
+    """Import vLLM's engine client ahead of need (a standby, deploy/local/standby.py):
+    seconds in which the importing thread holds the GIL, and with it the stage's
+    event loop, were it imported by the first load beside serving models."""
+    _import_environment()
+    import vllm.engine.arg_utils
+    import vllm.platforms
+    import vllm.v1.engine.async_llm  # noqa: F401
+
+
+def _import_environment() -> None:
+    """Process-wide settings vLLM may read as soon as it is imported."""
     # gRPC's threads make fork() unsafe: vLLM's engine processes are spawned.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -218,6 +228,11 @@ def _prepare_environment() -> None:
     os.environ.setdefault("VLLM_CACHE_ROOT", str(cache / "vllm"))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "torchinductor"))
     _pin_float_math()
+
+
+def _prepare_environment() -> None:
+    """Process-wide settings vLLM reads from the environment, set before it starts."""
+    _import_environment()
     if "VLLM_RPC_BASE_PATH" not in os.environ:
         # The engine's ZeroMQ sockets and torch's rendezvous file are named by
         # a fresh UUID in the temporary folder each start, and a stopped engine

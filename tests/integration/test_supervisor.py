@@ -97,20 +97,18 @@ def test_crashed_stage_is_restarted_and_sigterm_stops_everything(mesh) -> None: 
         assert decode_outputs(stub.ModelInfer(add_request()))["OUTPUT0"].tolist() == [[2.0] * 4]
 
         os.kill(stage_pid, signal.SIGKILL)
-        time.sleep(0.3)
-        with pytest.raises(grpc.RpcError) as caught:
-            stub.ModelInfer(add_request(), timeout=10)
-        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "stage 'inference'" in caught.value.details()
-
+        # Until it is back, calls fail UNAVAILABLE naming the stage (clients retry
+        # that); a standby may bring it back before the first one is refused.
         deadline = time.monotonic() + 60
         while True:
             try:
                 stub.ModelInfer(add_request(), timeout=10)
                 break
-            except grpc.RpcError:
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
+                assert "stage 'inference'" in (exc.details() or "")
                 assert time.monotonic() < deadline, "the stage was not brought back"
-                time.sleep(0.5)
+                time.sleep(0.1)
 
     # The standby took over (no new interpreter), and a new one waits once it is ready.
     assert start_ticks(standby) == standby_started
