@@ -314,8 +314,13 @@ def test_trace_of_an_http_request_starts_at_envoy(edge: str, otlp: OtlpReceiver)
             and not s.parent_id
             and any(o.trace_id == s.trace_id and o.service == "tokenizer" for o in spans)
             # The orchestrator's server span ends after its children: once here, all are.
+            # Its name tells this request's trace from the session's other traces
+            # that went through Envoy (a chat's, say), whichever arrived last.
             and any(
-                o.trace_id == s.trace_id and o.service == "orchestrator" and o.kind == 2
+                o.trace_id == s.trace_id
+                and o.service == "orchestrator"
+                and o.kind == 2
+                and o.name == "meshserve.v1.MeshService/Embed"
                 for o in spans
             )
         ]
