@@ -11,9 +11,10 @@ NOT_SERVING at once, new RPCs are refused, in-flight RPCs get up to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,24 +186,34 @@ async def serve(
 ) -> None:
     """Run a server until SIGTERM or SIGINT, then shut it down gracefully."""
     server = MeshServer(config, parts)
+    with stop_signals() as stop:
+        try:
+            await server.start()
+            metrics = (
+                f", metrics http://{config.host}:{server.metrics_port}/metrics"
+                if (config.metrics_port >= 0)
+                else ""
+            )
+            log.info("%s listening on %s%s", config.service_name, server.address, metrics)
+            if on_ready is not None:
+                on_ready(server)
+            await stop.wait()
+            log.info("%s draining (grace %.1fs)", config.service_name, config.grace_period_s)
+        finally:
+            await server.stop()
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[asyncio.Event]:
+    """An event that SIGTERM or SIGINT sets, for the block (the running loop's
+    handlers are removed after it, once the caller has stopped what it ran)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await server.start()
-        metrics = (
-            f", metrics http://{config.host}:{server.metrics_port}/metrics"
-            if (config.metrics_port >= 0)
-            else ""
-        )
-        log.info("%s listening on %s%s", config.service_name, server.address, metrics)
-        if on_ready is not None:
-            on_ready(server)
-        await stop.wait()
-        log.info("%s draining (grace %.1fs)", config.service_name, config.grace_period_s)
+        yield stop
     finally:
-        await server.stop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 
@@ -44,7 +43,7 @@ from services.orchestrator.servicer import OrchestratorServicer
 from shared.config import load_config
 from shared.launch import READY_MARKER
 from shared.mtls import MeshTls
-from shared.server import MeshServer, ServiceParts, setup_logging
+from shared.server import MeshServer, ServiceParts, setup_logging, stop_signals
 from shared.tracing import tracer_for
 
 log = logging.getLogger(__name__)
@@ -125,26 +124,21 @@ async def serve(config: OrchestratorHttpConfig) -> None:
     http = HttpDoor(config, core, parts)
     parts.on_stop = [http.drained, *parts.on_stop]
     server = MeshServer(config, parts)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await server.start()
-        address = await http.start(server.address)
-        log.info("%s listening on %s, HTTP on %s", config.service_name, server.address, address)
-        _announce(server, address)
-        await stop.wait()
-        log.info("%s draining (grace %.1fs)", config.service_name, config.grace_period_s)
-    except Exception as exc:
-        print(f"{config.service_name}: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from exc
-    finally:
-        draining = asyncio.create_task(http.drain())
-        await server.stop()  # its first stop hook waits for the HTTP drain
-        await draining
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+    with stop_signals() as stop:
+        try:
+            await server.start()
+            address = await http.start(server.address)
+            log.info("%s listening on %s, HTTP on %s", config.service_name, server.address, address)
+            _announce(server, address)
+            await stop.wait()
+            log.info("%s draining (grace %.1fs)", config.service_name, config.grace_period_s)
+        except Exception as exc:
+            print(f"{config.service_name}: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from exc
+        finally:
+            draining = asyncio.create_task(http.drain())
+            await server.stop()  # its first stop hook waits for the HTTP drain
+            await draining
 
 
 def main(argv: Sequence[str] | None = None) -> None:

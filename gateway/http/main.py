@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 
@@ -33,7 +32,7 @@ from shared.config import load_config
 from shared.launch import READY_MARKER
 from shared.metrics_http import start_metrics_server
 from shared.mtls import MeshTls
-from shared.server import setup_logging
+from shared.server import setup_logging, stop_signals
 from shared.tracing import make_tracer_provider, tracer_for
 
 __all__ = ["CUT_REASON", "HttpAdapterConfig", "drain", "main", "serve"]
@@ -86,30 +85,25 @@ async def serve(config: HttpAdapterConfig) -> None:
     state = AdapterState(upstream, tracer, config.max_body_bytes)
     state.model_store = ModelStore(config.model_store, config.model_repository)
     door = FrontDoor(state, config.grace_period_s)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     metrics = None
-    try:
-        ssl_context = tls.server_ssl_context() if tls is not None else None
-        address = await door.start(config.host, config.http_port, ssl_context)
-        if config.metrics_port >= 0:
-            metrics = start_metrics_server(config.host, config.metrics_port, state.registry)
-        _announce(config, address, metrics.server_address[1] if metrics else None)
-        log.info("%s listening on http://%s -> %s", SERVICE, address, config.orchestrator)
-        await stop.wait()
-        log.info("%s draining (grace %.1fs)", SERVICE, config.grace_period_s)
-    finally:
-        await door.drain()
-        await upstream.close()
-        if metrics is not None:
-            metrics.shutdown()
-            metrics.server_close()
-        if provider is not None:
-            provider.shutdown()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+    with stop_signals() as stop:
+        try:
+            ssl_context = tls.server_ssl_context() if tls is not None else None
+            address = await door.start(config.host, config.http_port, ssl_context)
+            if config.metrics_port >= 0:
+                metrics = start_metrics_server(config.host, config.metrics_port, state.registry)
+            _announce(config, address, metrics.server_address[1] if metrics else None)
+            log.info("%s listening on http://%s -> %s", SERVICE, address, config.orchestrator)
+            await stop.wait()
+            log.info("%s draining (grace %.1fs)", SERVICE, config.grace_period_s)
+        finally:
+            await door.drain()
+            await upstream.close()
+            if metrics is not None:
+                metrics.shutdown()
+                metrics.server_close()
+            if provider is not None:
+                provider.shutdown()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
