@@ -251,16 +251,21 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
             async with writing:
                 await context.write(message)
 
+        async def failed(request: pb.ModelInferRequest, exc: Exception, what: str) -> None:
+            # A MeshError is the caller's answer; anything else, as the interceptor
+            # does for unary calls: log it, tell the caller little.
+            if not isinstance(exc, MeshError):
+                log.exception("unexpected error in a %s request", what)
+                exc = MeshError(GENERIC_INTERNAL_MESSAGE)
+            await send(stream_error(request, exc))
+
         async def forward(request: pb.ModelInferRequest) -> None:
             # A forwarded request: ModelInfer's one answer, without the generator
             # and its closing that a decoupled model's responses need.
             try:
                 answer = await self.ModelInfer(request, context)
-            except MeshError as exc:
-                await send(stream_error(request, exc))
-            except Exception:
-                log.exception("unexpected error in a forwarded ModelInfer request")
-                await send(stream_error(request, MeshError(GENERIC_INTERNAL_MESSAGE)))
+            except Exception as exc:
+                await failed(request, exc, "forwarded ModelInfer")
             else:
                 await send(pb.ModelStreamInferResponse(infer_response=answer))
 
@@ -269,12 +274,8 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
             try:
                 async for answer in answers:
                     await send(pb.ModelStreamInferResponse(infer_response=answer))
-            except MeshError as exc:
-                await send(stream_error(request, exc))
-            except Exception:
-                # As the interceptor does for unary calls: log it, tell the caller little.
-                log.exception("unexpected error in a ModelStreamInfer request")
-                await send(stream_error(request, MeshError(GENERIC_INTERNAL_MESSAGE)))
+            except Exception as exc:
+                await failed(request, exc, "ModelStreamInfer")
             finally:
                 # Close it now (a cancelled request's generation stops here), not at GC.
                 aclose = getattr(answers, "aclose", None)

@@ -74,6 +74,17 @@ async def code_of(call: object) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
+async def assert_still_loading(call: object) -> None:
+    """The call is refused UNAVAILABLE, saying its model is not loaded yet."""
+    try:
+        await call  # type: ignore[misc]
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
+        assert "not loaded yet" in (exc.details() or "")
+    else:
+        raise AssertionError("a model still loading answered")
+
+
 def test_a_starting_stage_models_are_unavailable_then_serve_at_once(tmp_path: Path) -> None:
     repo = late_repository(tmp_path / "repo")
     request = pb.ModelInferRequest(model_name="late")
@@ -101,13 +112,7 @@ def test_a_starting_stage_models_are_unavailable_then_serve_at_once(tmp_path: Pa
         stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
         try:
             assert not starting.done()
-            try:
-                await stub.ModelInfer(request, timeout=10)
-            except grpc.aio.AioRpcError as exc:
-                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
-                assert "not loaded yet" in (exc.details() or "")
-            else:
-                raise AssertionError("a model still loading answered")
+            await assert_still_loading(stub.ModelInfer(request, timeout=10))
             await starting
             loaded = asyncio.get_running_loop().time()
             # Serving is what is measured: ask until it answers.
@@ -187,13 +192,7 @@ def test_a_light_model_serves_while_a_heavy_one_loads_and_the_stage_never_says_u
                 await asyncio.sleep(0.02)
             # The light model serves; the heavy one is still loading, and says so.
             assert not starting.done()
-            try:
-                await stub.ModelInfer(infer("heavy"), timeout=10)
-            except grpc.aio.AioRpcError as exc:
-                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
-                assert "not loaded yet" in (exc.details() or "")
-            else:
-                raise AssertionError("a model still loading answered")
+            await assert_still_loading(stub.ModelInfer(infer("heavy"), timeout=10))
             await starting
             answer = await stub.ModelInfer(infer("heavy"), timeout=10)
             assert decode_outputs(answer)["Y"].tolist() == [3.0, 4.0]
