@@ -146,6 +146,7 @@ def _mlp_repository(root: Path) -> ModelSpec:
     input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
     output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ 2 ] } ]
     parameters { key: "intra_op_thread_count" value: { string_value: "1" } }
+    parameters { key: "inline_execution_us" value: { string_value: "100000" } }
     """
     parsed = text_format.Parse(text, mc.ModelConfig())
     return ModelSpec("mlp", 1, root / "1", parsed, config_parameters(parsed))
@@ -156,6 +157,8 @@ def test_a_small_torch_model_runs_on_the_loop_with_its_own_thread_count(tmp_path
 
     from services.inference.pytorch import PyTorchBackend
 
+    # A bound no batch of this model reaches on a loaded host (one slow batch at the
+    # default 500 us would send the rest back to the thread, as it should).
     spec = _mlp_repository(tmp_path / "mlp")
     rows = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
     torch.manual_seed(0)
