@@ -2,15 +2,17 @@
 
 ``supervisor.http_front_door`` in the mesh YAML:
 
-    orchestrator   the orchestrator serves the HTTP front door itself (it runs as
-                   gateway/http/in_orchestrator.py), on the port
+    orchestrator   (the default) the orchestrator serves the HTTP front door itself
+                   (it runs as gateway/http/in_orchestrator.py), on the port
                    planned for the HTTP adapter (``services.http_adapter.http_port``),
                    with the adapter's settings from ``services.http_adapter``; Envoy
                    sends REST there. One process and one gRPC hop less per request.
     process        the HTTP adapter runs as its own process (gateway/http/main.py),
                    calling the orchestrator over gRPC (as in Kubernetes).
 
-docs/http-front-door.md says why and what each costs.
+Either way the mesh's ready line names where REST is served
+(``http_front_door``: the address Envoy sends it to). docs/http-front-door.md
+says why the default is what it is and what each costs.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from deploy.local.port_plan import Listener, PortPlanError
-from deploy.local.service_process import ProcessSpec
+from deploy.local.service_process import ManagedProcess, ProcessSpec
 
 MODES = ("orchestrator", "process")
 DEFAULT_MODE = "process"
@@ -65,3 +67,22 @@ def front_door_listeners(spec: ProcessSpec) -> list[Listener]:
         return []
     port = int(spec.args[spec.args.index(HTTP_PORT_FLAG) + 1])
     return [Listener(spec.name, "HTTP", port)]
+
+
+def front_door_address(orchestrator: ManagedProcess, edge: Sequence[ManagedProcess]) -> str | None:
+    """Where REST is served (``host:port``): the orchestrator's HTTP port, or the
+    adapter process's address; None in a mesh without an edge."""
+    served = front_door_listeners(orchestrator.spec)
+    if served:
+        return f"{orchestrator.address.rsplit(':', 1)[0]}:{served[0].port}"
+    adapters = [process.address for process in edge if process.spec.stage == "http_adapter"]
+    return adapters[0] if adapters else None
+
+
+def announce_front_door(orchestrator: ManagedProcess, edge: Sequence[ManagedProcess]) -> str:
+    """The supervisor's line saying which process serves REST, and where."""
+    address = front_door_address(orchestrator, edge)
+    if address is None:
+        return "no HTTP front door (supervisor.edge is off)"
+    who = "the orchestrator" if front_door_listeners(orchestrator.spec) else "the http_adapter"
+    return f"HTTP front door (KServe v2 REST, OpenAI, TorchServe APIs): {who} on {address}"

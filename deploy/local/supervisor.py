@@ -42,7 +42,12 @@ from typing import Any
 
 import yaml
 
-from deploy.local.http_front_door import front_door_listeners, place_front_door
+from deploy.local.http_front_door import (
+    announce_front_door,
+    front_door_address,
+    front_door_listeners,
+    place_front_door,
+)
 from deploy.local.placement import CorePlacer, Placement
 from deploy.local.port_plan import Listener, PortPlanError, check_ports
 from deploy.local.redis_server import plan_jobs
@@ -371,11 +376,13 @@ def _announce(
             }
             for p in [orchestrator, *stages]
         },
+        "http_front_door": front_door_address(orchestrator, stages),
     }
     log(f"mesh ready: KServe v2 gRPC on {orchestrator.address}")
     edge = [p for p in stages if p.spec.stage == "envoy"]
     if edge:
         log(f"edge (Envoy): HTTP/JSON, gRPC and grpc-web on {edge[0].address}")
+        log(announce_front_door(orchestrator, stages))
     if orchestrator.spec.metrics_port > 0:
         host = orchestrator.address.rsplit(":", 1)[0]
         log(f"metrics on http://{host}:{orchestrator.spec.metrics_port}/metrics")
