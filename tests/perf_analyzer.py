@@ -74,16 +74,18 @@ def run(
     options: Sequence[str] = (),
     timeout_s: float = 120.0,
     folder: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> Measurement:
-    """perf_analyzer against ``url``; raises with its output when it fails."""
+    """perf_analyzer against ``url`` (``env``: more environment); raises with its output
+    when it fails."""
     folder = folder or Path(os.environ.get("TMPDIR", "/tmp"))
     report = folder / f"perf-{model}-{protocol}-{os.getpid()}.csv"
     command = [str(binary(cache)), "-m", model, "-u", url, "-i", protocol]
     command += ["--concurrency-range", concurrency, "-f", str(report), *options]
     cudart = binary(cache).parent.parent / _CUDART
-    env = {**os.environ, "LD_LIBRARY_PATH": str(cudart)}
+    environment = {**os.environ, **(env or {}), "LD_LIBRARY_PATH": str(cudart)}
     done = subprocess.run(
-        command, check=False, env=env, capture_output=True, text=True, timeout=timeout_s
+        command, check=False, env=environment, capture_output=True, text=True, timeout=timeout_s
     )
     output = done.stdout + done.stderr
     if done.returncode != 0:
@@ -118,3 +120,7 @@ QUICK = (
     "4",
 )
 """A short run for tests: windows of 250 ms, any spread accepted as stable."""
+
+GRPC_SHARE = "TRITON_CLIENT_GRPC_CHANNEL_MAX_SHARE_COUNT"
+"""How many of perf_analyzer's client threads share one gRPC channel (one HTTP/2
+connection; the client library's default is 6)."""

@@ -22,11 +22,13 @@ steal seen in each round (/proc/stat); then the ratios the project holds
 itself to. ``--plot`` writes a PNG of req/s and server CPU per request.
 
 ``--perf-analyzer`` also runs Triton's perf_analyzer on each way it speaks,
-right after the closed loop's window (triton_load.py); ``--only mesh-log``
-adds the mesh with Envoy's access log on, ``--only mesh-door`` the mesh with
-the HTTP front door inside the orchestrator (``supervisor.http_front_door:
-orchestrator``), ``--only baseline --baseline DIR`` the mesh of another source
-tree (an older commit's ``git archive``), each with the mesh's ways, side by side.
+right before or after the closed loop's window (the order alternates), on the
+same terms (triton_load.py), and prints the two generators' agreement.
+``--only mesh-log`` adds the mesh with Envoy's access log on, ``--only
+mesh-door`` the mesh with the HTTP front door inside the orchestrator
+(``supervisor.http_front_door: orchestrator``), ``--only baseline --baseline
+DIR`` the mesh of another source tree (an older commit's ``git archive``), each
+with the mesh's ways, side by side.
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ class Settings:
     """Also load each way perf_analyzer speaks with it, and compare."""
     save: Path | None
     """Pickle the raw results here (to print or plot them again)."""
+    rates: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)
+    """The last closed-loop req/s of each (way, in flight), filled in as the run goes."""
 
 
 def steal_seconds() -> float:
@@ -149,20 +153,40 @@ async def one_round(
         with started(server, work, settings) as running:
             if running is None:
                 continue
-            for way in (w for w in ways if w.server == server and _chosen(w, settings)):
+            chosen = [w for w in ways if w.server == server and _chosen(w, settings)]
+            for index, way in enumerate(chosen):
                 for in_flight in settings.in_flight:
-                    result = await measure(way, running, in_flight, settings.load)
+                    # perf_analyzer first on every other way, the other way round next round.
+                    pa_first = (number + index) % 2 == 0
+                    result, agreement = await both(way, running, in_flight, settings, pa_first)
                     results.append(result)
                     print(f"  round {number} {report.round_line(result)}", flush=True)
-                    if settings.perf_analyzer:
-                        seconds = settings.load.seconds
-                        agreement = await triton_load.measure(
-                            way, running, in_flight, seconds, result.rate
-                        )
-                        if agreement is not None:
-                            agreements.append(agreement)
-                            print(f"  round {number} {triton_load.line(agreement)}", flush=True)
+                    if agreement is not None:
+                        agreements.append(agreement)
+                        print(f"  round {number} {triton_load.line(agreement)}", flush=True)
     return results
+
+
+async def both(
+    way: Way, running: Running, in_flight: int, settings: Settings, pa_first: bool
+) -> tuple[LoadResult, Agreement | None]:
+    """The closed loop's window and, with --perf-analyzer, perf_analyzer's run, in the
+    given order; the same warm-up time for both (perf_analyzer's in requests, from the
+    closed loop's last rate on this way)."""
+    use_pa = settings.perf_analyzer and way.perf_analyzer is not None
+    load = settings.load
+    rate = settings.rates.get((way.label, in_flight), 300.0 * min(in_flight, 2))
+    warmup = max(20, int(load.warmup_s * rate))
+    run = None
+    if use_pa and pa_first:
+        run = await triton_load.measure(way, running, in_flight, load.seconds, warmup)
+    result = await measure(way, running, in_flight, load)
+    settings.rates[(way.label, in_flight)] = result.rate
+    if use_pa and not pa_first:
+        run = await triton_load.measure(way, running, in_flight, load.seconds, warmup)
+    if run is None:
+        return result, None
+    return result, Agreement(way.label, in_flight, run, result, "pa" if pa_first else "loop")
 
 
 def _chosen(way: Way, settings: Settings) -> bool:

@@ -151,7 +151,7 @@ def mesh(
     root: Path = ROOT,
 ) -> Iterator[Running]:
     """The mesh of source tree ``root``; ``extra``: ``stage`` (inference-0's gRPC),
-    ``edge`` (Envoy's port)."""
+    ``edge`` (Envoy's port), ``front_door`` (where Envoy sends REST)."""
     config = mesh_config(folder, overrides or {}, root)
     log = folder / "mesh.log"
     proc = _supervisor(root, repository, config, log)
@@ -163,11 +163,13 @@ def mesh(
         pids = {k: v for k, v in info.pids.items() if k != "envoy_wrapper"}
         pids["supervisor"] = proc.pid
         stage = ready["processes"]["inference-0"]["grpc"]
+        # Where Envoy sends REST: the HTTP adapter, or the orchestrator's own front door.
+        front_door = str(ready.get("http_front_door", ""))
         yield Running(
             http=info.edge,
             grpc=info.orchestrator,
             pids=pids,
-            extra={"stage": stage, "edge": info.edge},
+            extra={"stage": stage, "edge": info.edge, "front_door": front_door},
         )
     finally:
         _stop_mesh(proc, started)
