@@ -26,9 +26,11 @@ right before or after the closed loop's window (the order alternates), on the
 same terms (triton_load.py), and prints the two generators' agreement.
 ``--only mesh-log`` adds the mesh with Envoy's access log on, ``--only
 mesh-door`` the mesh with the HTTP front door inside the orchestrator
-(``supervisor.http_front_door: orchestrator``), ``--only baseline --baseline
-DIR`` the mesh of another source tree (an older commit's ``git archive``), each
-with the mesh's ways, side by side.
+(``supervisor.http_front_door: orchestrator``, the default: pinned, for a
+baseline tree), ``--only mesh-adapter`` the mesh with the HTTP adapter process
+(``http_front_door: process``), ``--only baseline --baseline DIR`` the mesh of
+another source tree (an older commit's ``git archive``), each with the mesh's
+ways, side by side.
 """
 
 from __future__ import annotations
@@ -62,13 +64,23 @@ from peers.ways import Way, all_ways, plain_json
 
 from deploy.local.procfs import TICKS
 
-SERVERS = ("mesh", "kserve", "torchserve", "fastapi", "mesh-log", "baseline", "mesh-door")
+SERVERS = (
+    *("mesh", "kserve", "torchserve", "fastapi"),
+    *("mesh-log", "baseline", "mesh-door", "mesh-adapter"),
+)
 """mesh-log: the mesh with Envoy's access log on; baseline: the mesh of --baseline's tree;
-mesh-door: the mesh with REST served by the orchestrator itself (http_front_door)."""
-MESH_LIKE = {"mesh-log": "mesh+log: ", "baseline": "baseline: ", "mesh-door": "in-orch: "}
+mesh-door / mesh-adapter: the mesh with REST served by the orchestrator itself / by the
+HTTP adapter process (http_front_door)."""
+MESH_LIKE = {
+    "mesh-log": "mesh+log: ",
+    "baseline": "baseline: ",
+    "mesh-door": "in-orch: ",
+    "mesh-adapter": "adapter: ",
+}
 VARIANTS: dict[str, dict[str, dict[str, object]]] = {
     "mesh-log": {"envoy": {"access_log": True}},
     "mesh-door": {"supervisor": {"http_front_door": "orchestrator"}},
+    "mesh-adapter": {"supervisor": {"http_front_door": "process"}},
 }
 """Each mesh variant's changes to the mesh YAML (a service's settings, or the supervisor's)."""
 CACHE = Path("~/.cache/meshserve").expanduser()
