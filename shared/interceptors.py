@@ -36,7 +36,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from shared.errors import GENERIC_INTERNAL_MESSAGE, InvalidArgument, MeshError, Unavailable
-from shared.servicer import FORWARD_HEADER, FORWARD_UNARY
+from shared.forwarding import FORWARD_HEADER, FORWARD_UNARY, Pack
 from shared.trace_ids import TRACEPARENT, traceparent
 from shared.tracing import (
     extract_context,
@@ -373,7 +373,8 @@ class TracingInterceptor(_HandlerWrapper):
                 span.end()
 
     def _forwarded(self, behavior: Behavior, parent: otel_context.Context) -> Behavior:
-        """A stream of forwarded unary requests (``FORWARD_HEADER``): each request
+        """A stream of forwarded unary requests (``FORWARD_HEADER``; one to a
+        message, or several: ``shared.forwarding.Pack``): each request
         gets the server span a ModelInfer of its own would have had, from the
         trace context its parameters carry, current in the task that answers it
         and ended as its answer is written; the stream itself has none."""
@@ -381,10 +382,16 @@ class TracingInterceptor(_HandlerWrapper):
         def scope(requests: AsyncIterator[Any], context: Any) -> tuple[Any, _Answering]:
             spans: dict[str, trace.Span] = {}
 
-            def see(request: Any) -> None:
+            def enter(request: Any) -> None:
                 # Current from here on in the task reading the requests, which
                 # then starts the request's own task (it inherits the context).
                 otel_context.attach(self._request_context(request, parent, spans))
+
+            def see(message: Any) -> None:
+                if isinstance(message, Pack):
+                    message.before_each = enter  # each as it is taken from the pack
+                else:
+                    enter(message)
 
             return _SeenRequests(requests, see), _Answering(context, spans)
 
@@ -461,8 +468,13 @@ class _Answering:
         await self._context.write(message)
 
     def answered(self, message: Any) -> None:
-        """End the span of the request ``message`` (a ModelStreamInferResponse) answers."""
+        """End the span of the request ``message`` (a ModelStreamInferResponse, or
+        a list of them: a packed stream's) answers."""
         if not self._spans:
+            return
+        if isinstance(message, list):
+            for answer in message:
+                self.answered(answer)
             return
         span = self._spans.pop(message.infer_response.id, None)
         if span is None:

@@ -28,6 +28,7 @@ from shared.errors import (
     Unimplemented,
     error_for_status,
 )
+from shared.forwarding import FORWARD_HEADER, FORWARD_UNARY, add_forwarding, serve_forwarded
 from shared.manager import ModelManager
 from shared.model import ModelVersion
 from shared.request import InferRequest, InferResponse
@@ -54,13 +55,6 @@ EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
 """Request parameter: also send a final response that carries no outputs."""
 STATUS_CODE = "meshserve_status_code"
 """Parameter of an in-stream error response: the gRPC status code, as an integer."""
-FORWARD_HEADER = "x-meshserve-forward"
-"""ModelStreamInfer metadata of a hop that forwards unary requests on one stream
-(the orchestrator): each request is answered exactly as ModelInfer answers it,
-with no final-response flag, and the server says it does so by sending the
-header back in its initial metadata (a server that does not is spoken to with
-ModelInfer instead)."""
-FORWARD_UNARY = "unary"
 
 
 def to_domain(request: pb.ModelInferRequest) -> InferRequest:
@@ -175,6 +169,18 @@ def _forwarded_stream(context: grpc.aio.ServicerContext[Any, Any]) -> bool:
     )
 
 
+def _stream_failed(
+    request: pb.ModelInferRequest, exc: Exception, what: str
+) -> pb.ModelStreamInferResponse:
+    """A failed request's stream message: a MeshError is the caller's answer;
+    anything else, as the interceptor does for unary calls: log it, tell the
+    caller little."""
+    if not isinstance(exc, MeshError):
+        log.exception("unexpected error in a %s request", what)
+        exc = MeshError(GENERIC_INTERNAL_MESSAGE)
+    return stream_error(request, exc)
+
+
 def _duration(target: pb.StatisticDuration, source: Duration) -> None:
     target.count = source.count
     target.ns = source.ns
@@ -241,33 +247,16 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
         # the end of the stream (what tritonclient's streaming callback expects).
         # When the caller goes away, this handler is cancelled and so is every
         # request still running, which stops the generation behind a decoupled model.
+        # A stream of forwarded unary requests: shared/forwarding.py.
+        if _forwarded_stream(context):
+            await serve_forwarded(self.answer_forwarded, request_iterator, context, packed=False)
+            return
         writing = asyncio.Lock()  # one message at a time on the call
         tasks: set[asyncio.Task[None]] = set()
-        forwarded = _forwarded_stream(context)
-        if forwarded:
-            await context.send_initial_metadata(((FORWARD_HEADER, FORWARD_UNARY),))
 
         async def send(message: pb.ModelStreamInferResponse) -> None:
             async with writing:
                 await context.write(message)
-
-        async def failed(request: pb.ModelInferRequest, exc: Exception, what: str) -> None:
-            # A MeshError is the caller's answer; anything else, as the interceptor
-            # does for unary calls: log it, tell the caller little.
-            if not isinstance(exc, MeshError):
-                log.exception("unexpected error in a %s request", what)
-                exc = MeshError(GENERIC_INTERNAL_MESSAGE)
-            await send(stream_error(request, exc))
-
-        async def forward(request: pb.ModelInferRequest) -> None:
-            # A forwarded request: ModelInfer's one answer, without the generator
-            # and its closing that a decoupled model's responses need.
-            try:
-                answer = await self.ModelInfer(request, context)
-            except Exception as exc:
-                await failed(request, exc, "forwarded ModelInfer")
-            else:
-                await send(pb.ModelStreamInferResponse(infer_response=answer))
 
         async def one(request: pb.ModelInferRequest) -> None:
             answers = self.stream_responses(request, context)
@@ -275,7 +264,7 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
                 async for answer in answers:
                     await send(pb.ModelStreamInferResponse(infer_response=answer))
             except Exception as exc:
-                await failed(request, exc, "ModelStreamInfer")
+                await send(_stream_failed(request, exc, "ModelStreamInfer"))
             finally:
                 # Close it now (a cancelled request's generation stops here), not at GC.
                 aclose = getattr(answers, "aclose", None)
@@ -283,9 +272,8 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
                     await aclose()
 
         try:
-            run = forward if forwarded else one
             async for request in request_iterator:
-                task = asyncio.create_task(run(request))
+                task = asyncio.create_task(one(request))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             while tasks:
@@ -296,6 +284,23 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
             if tasks:
                 # Let the cancelled requests finish their clean-up (an engine abort) first.
                 await asyncio.wait(list(tasks), timeout=10)
+
+    async def answer_forwarded(
+        self,
+        request: pb.ModelInferRequest,
+        context: grpc.aio.ServicerContext[pb.ModelInferRequest, Any],
+        refused: MeshError | None = None,
+    ) -> pb.ModelStreamInferResponse:
+        """A forwarded request's message: ModelInfer's one answer, or its error
+        (``refused``: the error it already has), without the generator and its
+        closing that a decoupled model's responses need."""
+        if refused is not None:
+            return stream_error(request, refused)
+        try:
+            answer = await self.ModelInfer(request, context)
+        except Exception as exc:
+            return _stream_failed(request, exc, "forwarded ModelInfer")
+        return pb.ModelStreamInferResponse(infer_response=answer)
 
     async def ModelInfer(
         self,
@@ -525,8 +530,10 @@ class InferenceServicer(BaseServicer):
 
 
 def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
-    """Register the servicer (the shape ``ServiceParts.servicers`` expects)."""
+    """Register the servicer (the shape ``ServiceParts.servicers`` expects), and
+    the stream that takes forwarded requests several to a message."""
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    add_forwarding(servicer.answer_forwarded, server)
 
 
 def _with_runtime(config: mc.ModelConfig, model: ModelVersion) -> mc.ModelConfig:

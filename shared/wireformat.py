@@ -86,6 +86,31 @@ def _strings(data: bytes, wanted: tuple[int, ...]) -> dict[int, bytes]:
     return found
 
 
+def repeated_field(data: bytes, number: int) -> list[bytes]:
+    """Every value of the length-delimited field ``number`` at the top level, in
+    order (the messages of a ``repeated`` message field, still serialised);
+    WireError if the message is malformed or holds another field."""
+    values: list[bytes] = []
+    pos, size = 0, len(data)
+    tag = number << 3 | _LENGTH_DELIMITED
+    while pos < size:
+        found, pos = _varint(data, pos)
+        if found != tag:
+            raise WireError(f"unexpected field {found >> 3} (wire type {found & 7})")
+        length, pos = _varint(data, pos)
+        end = pos + length
+        if end > size:
+            raise WireError(f"field {number} runs past the end of the message")
+        values.append(data[pos:end])
+        pos = end
+    return values
+
+
+def repeated(number: int, values: list[bytes]) -> bytes:
+    """``values`` (serialised messages) as the repeated field ``number`` of a message."""
+    return b"".join([_length_delimited(number, value) for value in values])
+
+
 def infer_header(data: bytes) -> InferHeader:
     """Model name, version and id of a serialised ModelInferRequest (or
     response: the fields are numbered alike); WireError if it is malformed."""

@@ -17,6 +17,12 @@ given the caller's id back. A stream takes new requests for a while only
 (``STREAM_REQUESTS``, ``STREAM_SECONDS``) and closes once it has none in flight,
 so a stage that drains is not held open by it: its drain gate counts an open
 stream as work in flight, and it refuses the stream that replaces it.
+
+To a meshserve stage the stream is ``ForwardingService/Forward`` (``packed``):
+requests are written by one writer task, each message carrying every request
+that waited for the previous write to end (a lone request goes at once,
+alone), and the stage answers the same way (shared/forwarding.py). To a server
+without it, a ModelStreamInfer carries one request per message.
 """
 
 from __future__ import annotations
@@ -29,11 +35,14 @@ import grpc
 
 from inference import grpc_service_pb2 as pb
 from shared.errors import MeshError, Unavailable
+from shared.forwarding import FORWARD_HEADER, FORWARD_UNARY, PACKED_METHOD
 from shared.rpc import failure
-from shared.servicer import FORWARD_HEADER, FORWARD_UNARY, stream_failure
+from shared.servicer import stream_failure
 from shared.wireformat import (
     WireError,
     infer_header,
+    repeated,
+    repeated_field,
     stream_answer,
     with_id,
     with_string_parameters,
@@ -57,15 +66,19 @@ class NotForwarding(Exception):
 class ForwardStream:
     """One ModelStreamInfer call carrying forwarded requests and their answers."""
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, *, packed: bool = False) -> None:
         # No (de)serialisers: requests go out and answers come in as bytes.
-        method = channel.stream_stream(STREAM_METHOD)
+        method = channel.stream_stream(PACKED_METHOD if packed else STREAM_METHOD)
         self._call = method(metadata=((FORWARD_HEADER, FORWARD_UNARY),))
+        self.packed = packed
         loop = asyncio.get_running_loop()
         self._closes_at = loop.time() + STREAM_SECONDS
         self._pending: dict[str, asyncio.Future[bytes]] = {}
         self._tags = itertools.count()
         self._sent = 0
+        self._waiting: list[tuple[str, bytes]] = []
+        """Requests (tag, bytes) not yet written, for the writer task."""
+        self._writer: asyncio.Task[None] | None = None
         self._writing = asyncio.Lock()  # one message at a time on the call
         self._accepted: asyncio.Future[bool] = loop.create_future()
         self._closing = False
@@ -111,19 +124,41 @@ class ForwardStream:
         answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._pending[tag] = answer
         self._sent += 1
+        sent = with_id(request, tag)
+        self._waiting.append((tag, with_string_parameters(sent, carried) if carried else sent))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write(), name="forward-stream-write")
         try:
-            async with self._writing:
-                sent = with_id(request, tag)
-                await self._call.write(with_string_parameters(sent, carried) if carried else sent)
             return with_id(await answer, caller_id)
-        except grpc.aio.AioRpcError as exc:
-            raise _broken(exc) from exc
-        except (asyncio.InvalidStateError, grpc.aio.UsageError):
-            raise Unavailable("the stage stream closed with the request unsent") from None
         finally:
             del self._pending[tag]
             if not self._pending:
                 self._went_idle()
+
+    async def _write(self) -> None:
+        """Write the waiting requests until none waits: one message each, or
+        all of them as one message on a packed stream. A failed write fails the
+        requests it carried."""
+        while self._waiting:
+            taken = len(self._waiting) if self.packed else 1
+            batch, self._waiting = self._waiting[:taken], self._waiting[taken:]
+            try:
+                async with self._writing:
+                    if self.packed:
+                        await self._call.write(repeated(1, [data for _, data in batch]))
+                    else:
+                        await self._call.write(batch[0][1])
+            except grpc.aio.AioRpcError as exc:
+                self._fail([tag for tag, _ in batch], _broken(exc))
+            except (asyncio.InvalidStateError, grpc.aio.UsageError):
+                unsent = Unavailable("the stage stream closed with the request unsent")
+                self._fail([tag for tag, _ in batch], unsent)
+
+    def _fail(self, tags: list[str], error: MeshError) -> None:
+        for tag in tags:
+            waiting = self._pending.get(tag)
+            if waiting is not None and not waiting.done():
+                waiting.set_exception(error)
 
     def _went_idle(self) -> None:
         """No request in flight: close now if retiring, else after STREAM_SECONDS
@@ -143,6 +178,8 @@ class ForwardStream:
         self._closing = True
         if self._idle is not None:
             self._idle.cancel()
+        if self._writer is not None:
+            self._writer.cancel()
         self._call.cancel()
 
     def _finish(self) -> None:
@@ -169,7 +206,7 @@ class ForwardStream:
                 self._call.cancel()
                 return
             async for message in self._call:
-                self._answer(message)
+                self._place(message)
         except grpc.aio.AioRpcError as exc:
             ended = _broken(exc)
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED and not self._accepted.done():
@@ -183,6 +220,18 @@ class ForwardStream:
             for answer in self._pending.values():
                 if not answer.done():
                     answer.set_exception(ended)
+
+    def _place(self, message: bytes) -> None:
+        """Give each answer a message carries to the request waiting for it."""
+        if not self.packed:
+            self._answer(message)
+            return
+        try:
+            answers = repeated_field(message, 1)
+        except WireError:
+            return  # not ours to place; its requests fail when the stream ends
+        for answer in answers:
+            self._answer(answer)
 
     def _answer(self, message: bytes) -> None:
         try:

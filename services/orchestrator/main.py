@@ -59,6 +59,9 @@ class OrchestratorConfig(ServiceConfig):
     spare_streams: int = Field(4, ge=0, le=64)
     """ModelStreamInfer calls kept open ahead of their requests per stage replica
     that is streamed to (a request takes one instead of setting a stream up)."""
+    packed_forwarding: bool = True
+    """Forwarded requests travel several to a message to a stage that serves
+    meshserve.v1.ForwardingService (false: one to a message, as to other servers)."""
 
 
 def build_parts(config: OrchestratorConfig) -> ServiceParts:
@@ -79,6 +82,7 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
         tracer=tracer,
         refresh_interval_s=config.refresh_interval_s,
         spare_streams=config.spare_streams,
+        packed_forwarding=config.packed_forwarding,
         discovery=Discovery(
             Resolver(config.hosts_file), config.resolve_interval_s, config.retire_grace_s
         ),

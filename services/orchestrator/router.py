@@ -104,6 +104,9 @@ class Endpoint:
     """Streams that take no new requests, until their answers are in."""
     forwards_on_streams: bool = True
     """False once the replica turned out not to answer forwarded requests on a stream."""
+    packs: bool = True
+    """Whether forwarded requests go several to a message (a meshserve stage's
+    ForwardingService); False once the replica turned out not to serve it."""
     models: set[str] = field(default_factory=set)
     """Models READY on this replica (calls go only to these)."""
     listed: set[str] = field(default_factory=set)
@@ -146,7 +149,8 @@ class Endpoint:
         if stream is None or not stream.open:
             if stream is not None:
                 self._retire_stream(stream)
-            stream = self.forward_streams[index] = ForwardStream(self.plain_channels[index])
+            channel = self.plain_channels[index]
+            stream = self.forward_streams[index] = ForwardStream(channel, packed=self.packs)
         return stream
 
     def _retire_stream(self, stream: ForwardStream) -> None:
@@ -248,9 +252,11 @@ class StageRouter:
         refresh_interval_s: float,
         spare_streams: int = 0,
         discovery: Discovery | None = None,
+        packed_forwarding: bool = True,
     ) -> None:
         self.addresses = list(addresses)
         self._spare_streams = spare_streams
+        self._packs = packed_forwarding
         self._channel_settings = (channels_per_endpoint, max_message_bytes, tracer)
         self._tracer = tracer
         # Channels are opened in start(): grpc.aio binds them to the running loop.
@@ -286,6 +292,7 @@ class StageRouter:
     def _open(self, address: StageAddress, origin: StageAddress | None) -> Endpoint:
         endpoint = open_endpoint(address, *self._channel_settings)
         endpoint.spare_count = self._spare_streams
+        endpoint.packs = self._packs
         endpoint.origin = origin
         return endpoint
 
@@ -474,17 +481,21 @@ class StageRouter:
         """A serialised ModelInferRequest answered by a replica of ``model``, the
         answer serialised as the replica sent it (retried as ``call`` is). With
         ``on_stream`` (the request's id) it travels on a stream of forwarded
-        requests where the replica has them (forward_stream.py), its trace context
-        with it, else as a ModelInfer."""
+        requests where the replica has them (forward_stream.py: packed several to
+        a message where it can), its trace context with it, else as a ModelInfer."""
 
         async def invoke(endpoint: Endpoint) -> bytes:
-            if on_stream is not None and endpoint.forwards_on_streams:
+            while on_stream is not None and endpoint.forwards_on_streams:
+                stream = endpoint.forward_stream()
                 try:
                     with client_span(self._tracer, INFER_METHOD):
-                        stream = endpoint.forward_stream()
                         return await stream.infer(request, on_stream, current_carrier())
                 except NotForwarding:
-                    endpoint.forwards_on_streams = False
+                    # No packs: one request per message then; no stream: ModelInfer.
+                    if stream.packed:
+                        endpoint.packs = False
+                    else:
+                        endpoint.forwards_on_streams = False
             answer: bytes = await endpoint.raw_infer()(request, timeout=timeout_s)
             return answer
 

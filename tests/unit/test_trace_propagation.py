@@ -21,6 +21,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.errors import InvalidArgument
+from shared.forwarding import PACKED_METHOD, Answer, add_forwarding
 from shared.interceptors import DrainGate, ErrorInterceptor, TracingInterceptor, client_interceptors
 from shared.servicer import FORWARD_HEADER, BaseServicer
 from shared.tracing import (
@@ -31,7 +32,7 @@ from shared.tracing import (
     make_tracer_provider,
     tracer_for,
 )
-from shared.wireformat import with_id, with_string_parameters
+from shared.wireformat import repeated, repeated_field, with_id, with_string_parameters
 
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 
@@ -52,12 +53,17 @@ def _recording_tracer() -> tuple[InMemorySpanExporter, trace.Tracer]:
     return exporter, provider.get_tracer("test")
 
 
-async def _serve(servicer: Any, tracer: trace.Tracer) -> tuple[grpc.aio.Server, int]:
-    """A started server with the mesh's server interceptor; and its port."""
+async def _serve(
+    servicer: Any, tracer: trace.Tracer, forwarding: Answer | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """A started server with the mesh's server interceptor (and ForwardingService
+    answered by ``forwarding``); and its port."""
     server = grpc.aio.server(
         interceptors=[ErrorInterceptor(), TracingInterceptor(tracer), DrainGate()]
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    if forwarding is not None:
+        add_forwarding(forwarding, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, port
@@ -184,12 +190,14 @@ def test_a_stream_opened_ahead_joins_its_first_requests_trace() -> None:
     assert server.parent is not None and server.parent.span_id == caller_span_id
 
 
-def test_each_request_forwarded_on_a_stream_gets_its_own_server_span() -> None:
+@pytest.mark.parametrize("packed", [False, True], ids=["one-per-message", "packed"])
+def test_each_request_forwarded_on_a_stream_gets_its_own_server_span(packed: bool) -> None:
     """On a stream that forwards unary requests (as the orchestrator's are, opened
     outside any trace), each request's server span is its own, parented from the
     context its parameters carry (set on the wire), current while the stage answers
     it, and failed with its in-band error; a request that carries no trace or an
-    unsampled one records nothing, and the stream itself has no span."""
+    unsampled one records nothing, and the stream itself has no span. The same
+    when the requests come several to a message (ForwardingService)."""
     exporter, tracer = _recording_tracer()
     current: dict[str, int] = {}
 
@@ -203,11 +211,14 @@ def test_each_request_forwarded_on_a_stream_gets_its_own_server_span() -> None:
             return pb.ModelInferResponse(id=request.id)
 
     async def main() -> dict[str, int]:
-        server, port = await _serve(Stage(), tracer)
+        stage = Stage()
+        server, port = await _serve(stage, tracer, stage.answer_forwarded if packed else None)
         callers = {}
+        written: list[bytes] = []
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                call = channel.stream_stream(STREAM_METHOD)(metadata=((FORWARD_HEADER, "unary"),))
+                method = PACKED_METHOD if packed else STREAM_METHOD
+                call = channel.stream_stream(method)(metadata=((FORWARD_HEADER, "unary"),))
                 for index, model in enumerate(["m", "bad", "m", "m"]):
                     request = pb.ModelInferRequest(model_name=model)
                     request.parameters["priority"].int64_param = 1
@@ -219,9 +230,16 @@ def test_each_request_forwarded_on_a_stream_gets_its_own_server_span() -> None:
                             carried = current_carrier()
                         carried["traceparent"] = carried["traceparent"][:-2] + flags
                         data = with_string_parameters(data, carried)
-                    await call.write(data)
+                    written.append(data)
+                    if not packed:
+                        await call.write(data)
+                if packed:
+                    await call.write(repeated(1, written))
                 await call.done_writing()
-                answers = [pb.ModelStreamInferResponse.FromString(m) async for m in call]
+                messages = [m async for m in call]
+                if packed:
+                    messages = [a for m in messages for a in repeated_field(m, 1)]
+                answers = [pb.ModelStreamInferResponse.FromString(m) for m in messages]
                 assert sorted(a.infer_response.id for a in answers) == ["~0", "~1", "~2", "~3"]
         finally:
             await server.stop(None)

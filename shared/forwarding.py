@@ -1,0 +1,190 @@
+"""A stage's side of the requests a hop forwards to it on one open stream.
+
+The orchestrator forwards a stage model's ModelInfer requests, still
+serialised, as messages on an open stream rather than as RPCs of their own (its
+side: services/orchestrator/forward_stream.py). Two streams carry them:
+
+- ``meshserve.v1.ForwardingService/Forward`` (protos/meshserve/v1/forwarding.proto):
+  as many requests to a message as were waiting when it was written, and as
+  many answers to a message back as were ready. Under load one message on an
+  HTTP/2 stream costs each side about what a small model's request costs, so
+  a pack of them costs little more than one; a lone request is a message alone,
+  written at once.
+- ``ModelStreamInfer`` with ``FORWARD_HEADER``: one request to a message each
+  way, for a hop that has no packs.
+
+Either way each request is answered as ModelInfer would answer it, by a task
+of its own: its statistics, its error (the answer's ``error_message``, never
+the end of the stream) and its trace span are its own. The tracing interceptor
+makes each request's trace context current as the request is taken from its
+message (``Pack.before_each``), and ends its span as its answer is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from inference import grpc_service_pb2 as pb
+from meshserve.v1 import forwarding_pb2
+from shared.errors import InvalidArgument, MeshError
+from shared.wireformat import infer_header, repeated, repeated_field
+
+FORWARD_HEADER = "x-meshserve-forward"
+"""Metadata of a stream that forwards unary requests (the orchestrator's): each
+request is answered exactly as ModelInfer answers it, with no final-response
+flag, and the server says it does so by sending the header back in its initial
+metadata (a server that does not is spoken to another way)."""
+FORWARD_UNARY = "unary"
+FORWARDING_SERVICE = forwarding_pb2.DESCRIPTOR.services_by_name["ForwardingService"].full_name
+PACKED_METHOD = f"/{FORWARDING_SERVICE}/Forward"
+_REQUESTS = _ANSWERS = 1
+"""Field number of the requests (ForwardRequest) and the answers (ForwardResponse)."""
+NOT_A_REQUEST = "the request is not a valid inference.ModelInferRequest message"
+
+Answer = Callable[
+    [pb.ModelInferRequest, Any, "MeshError | None"], Awaitable[pb.ModelStreamInferResponse]
+]
+"""A request's answer or its error (``BaseServicer.answer_forwarded``); the third
+argument is an error the request already has (it did not decode)."""
+
+
+class Pack:
+    """The requests of one ForwardRequest message, in order."""
+
+    __slots__ = ("before_each", "refused", "requests")
+
+    def __init__(self, requests: list[pb.ModelInferRequest]) -> None:
+        self.requests = requests
+        self.refused: dict[str, MeshError] = {}
+        """Request id -> its error, for a request that did not decode (a stand-in
+        with its model name and id is in ``requests``)."""
+        self.before_each: Callable[[pb.ModelInferRequest], object] | None = None
+        """Run on each request as it is taken from the pack (by the tracing interceptor)."""
+
+    def __iter__(self) -> Iterator[pb.ModelInferRequest]:
+        for request in self.requests:
+            if self.before_each is not None:
+                self.before_each(request)
+            yield request
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+def read_pack(data: bytes) -> Pack:
+    """A ForwardRequest message as its requests; one that does not decode is kept
+    as a stand-in and refused on its own (its neighbours are answered as usual).
+    WireError when the message itself is malformed."""
+    try:
+        return Pack(list(forwarding_pb2.ForwardRequest.FromString(data).requests))
+    except DecodeError:
+        pass
+    pack = Pack([])
+    for raw in repeated_field(data, _REQUESTS):
+        try:
+            pack.requests.append(pb.ModelInferRequest.FromString(raw))
+        except DecodeError:
+            header = infer_header(raw)
+            pack.requests.append(
+                pb.ModelInferRequest(
+                    model_name=header.model_name, model_version=header.model_version, id=header.id
+                )
+            )
+            pack.refused[header.id] = InvalidArgument(NOT_A_REQUEST)
+    return pack
+
+
+def write_answers(answers: list[pb.ModelStreamInferResponse]) -> bytes:
+    """Answers as one ForwardResponse message."""
+    return repeated(_ANSWERS, [answer.SerializeToString() for answer in answers])
+
+
+class AnswerPacker:
+    """Writes answers on a Forward stream: at once when no write is under way,
+    else with the others that are ready when it ends, in one message."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+        self._ready: list[pb.ModelStreamInferResponse] = []
+        self._writing = False
+
+    async def send(self, answer: pb.ModelStreamInferResponse) -> None:
+        """Write ``answer`` now, or leave it to the write under way (which takes
+        it in its next message)."""
+        self._ready.append(answer)
+        if self._writing:
+            return
+        self._writing = True
+        try:
+            while self._ready:
+                answers, self._ready = self._ready, []
+                await self._context.write(answers)
+        finally:
+            self._writing = False
+
+
+def _one_at_a_time(context: Any) -> Callable[[pb.ModelStreamInferResponse], Awaitable[None]]:
+    writing = asyncio.Lock()  # one message at a time on the call
+
+    async def send(answer: pb.ModelStreamInferResponse) -> None:
+        async with writing:
+            await context.write(answer)
+
+    return send
+
+
+async def serve_forwarded(
+    answer: Answer, messages: AsyncIterator[Any], context: Any, *, packed: bool
+) -> None:
+    """Answer every request of a forwarding stream (``messages``: Packs when
+    ``packed``, else requests), concurrently, each answer written once ready.
+    When the caller goes away, this is cancelled and so is every request still
+    running."""
+    await context.send_initial_metadata(((FORWARD_HEADER, FORWARD_UNARY),))
+    send = AnswerPacker(context).send if packed else _one_at_a_time(context)
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def one(request: pb.ModelInferRequest, refused: MeshError | None) -> None:
+        await send(await answer(request, context, refused))
+
+    def start(request: pb.ModelInferRequest, refused: MeshError | None) -> None:
+        task = asyncio.create_task(one(request, refused))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    try:
+        async for message in messages:
+            if not packed:
+                start(message, None)
+                continue
+            for request in message:
+                start(request, message.refused.get(request.id) if message.refused else None)
+        while tasks:
+            await asyncio.gather(*list(tasks))
+    finally:
+        for task in list(tasks):
+            task.cancel()
+        if tasks:
+            # Let the cancelled requests finish their clean-up first.
+            await asyncio.wait(list(tasks), timeout=10)
+
+
+def add_forwarding(answer: Answer, server: grpc.aio.Server) -> None:
+    """Serve ``ForwardingService/Forward`` on ``server``, each request answered by ``answer``."""
+
+    async def forward(packs: AsyncIterator[Pack], context: Any) -> None:
+        await serve_forwarded(answer, packs, context, packed=True)
+
+    handlers = {
+        "Forward": grpc.stream_stream_rpc_method_handler(
+            forward, request_deserializer=read_pack, response_serializer=write_answers
+        )
+    }
+    generic = grpc.method_handlers_generic_handler(FORWARDING_SERVICE, handlers)
+    server.add_generic_rpc_handlers((generic,))
+    server.add_registered_method_handlers(FORWARDING_SERVICE, handlers)
