@@ -233,7 +233,21 @@ class ErrorInterceptor(_HandlerWrapper):
     def wrap(
         self, behavior: Behavior, bidirectional: bool, details: grpc.HandlerCallDetails
     ) -> Behavior:
-        return around(behavior, functools.partial(_statuses, details.method))
+        method: str = details.method
+        if inspect.isasyncgenfunction(behavior):
+            return around(behavior, functools.partial(_statuses, method))
+
+        # A coroutine (every unary RPC): a plain try, which costs a call a few
+        # microseconds less than a context manager around it.
+        async def called(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            if type(request) is _Undecodable:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            try:
+                return await behavior(request, context)
+            except Exception as exc:
+                await _abort_for(exc, method, context)
+
+        return called
 
 
 @contextlib.asynccontextmanager
@@ -244,14 +258,21 @@ async def _statuses(
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
     try:
         yield request
-    except grpc.aio.AbortError:
-        raise  # the handler set its status itself
-    except MeshError as exc:
+    except Exception as exc:
+        await _abort_for(exc, method, context)
+
+
+async def _abort_for(
+    exc: Exception, method: str, context: grpc.aio.ServicerContext[Any, Any]
+) -> None:
+    """End the call with the status ``exc`` stands for (raises AbortError)."""
+    # Cancellation and a closed stream are BaseExceptions: gRPC's own, never here.
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc  # the handler set its status itself
+    if isinstance(exc, MeshError):
         await context.abort(exc.code, exc.message)
-    except Exception:
-        # Cancellation and a closed stream are BaseExceptions: gRPC's own, passed on.
-        log.exception("unexpected error in %s", method)
-        await context.abort(grpc.StatusCode.INTERNAL, GENERIC_INTERNAL_MESSAGE)
+    log.error("unexpected error in %s", method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, GENERIC_INTERNAL_MESSAGE)
 
 
 class TracingInterceptor(_HandlerWrapper):
@@ -551,7 +572,18 @@ class DrainGate(_HandlerWrapper):
     ) -> Behavior:
         if details.method.startswith(_ALWAYS_ALLOWED_PREFIXES):
             return behavior
-        return around(behavior, self._first_request if bidirectional else self._admitted)
+        if bidirectional or inspect.isasyncgenfunction(behavior):
+            return around(behavior, self._first_request if bidirectional else self._admitted)
+
+        # A coroutine (every unary RPC): a plain try, as in ErrorInterceptor.
+        async def admitted(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            self._admit()
+            try:
+                return await behavior(request, context)
+            finally:
+                self._release()
+
+        return admitted
 
     def _admit(self) -> None:
         if self.draining:
