@@ -13,7 +13,11 @@ connections), rounds interleaved:
                runs in the instance's thread, as before batches measured cheap ran
                on the event loop (shared/inline_budget.py);
 - ``orch``     the orchestrator in front of that stage (a stage model's request is
-               forwarded undecoded; without a deadline, on an open stream);
+               forwarded undecoded; without a deadline, on an open stream, several
+               requests to a message when several wait);
+- ``plain``    a second orchestrator in front of the same stage, with
+               ``--packed-forwarding false``: one request per stream message (the
+               old path, side by side);
 - ``envoy``    Envoy's gRPC port in front of that orchestrator;
 - ``kserve``   KServe 0.21's own server with the same model (its venv from
                ``make kserve-client``; skipped with a note where it is missing).
@@ -22,8 +26,8 @@ Server CPU per request comes from /proc of each process on the path, CPU steal
 (the hypervisor's) and "others" (the rest of the machine) from /proc/stat over
 each window. It prints every round, then per door the median over rounds, and:
 the orchestrator hop (CPU per request through the orchestrator minus the stage
-directly), and the rate ratios stage / thread, envoy / stage, stage / kserve,
-envoy / kserve.
+directly; packed and plain), and the rate ratios stage / thread, orch / plain,
+envoy / stage, stage / kserve, envoy / kserve.
 """
 
 from __future__ import annotations
@@ -152,6 +156,9 @@ def mesh_doors(repository: Path) -> Iterator[list[Door]]:
         stages = ["--stages", f"inference={stage.address}"]
         orchestrator = ServiceProcess("services.orchestrator.main", [*hosting, *stages])
         stack.callback(orchestrator.stop)
+        unpacked = [*hosting, *stages, "--packed-forwarding", "false"]
+        plain = ServiceProcess("services.orchestrator.main", unpacked)
+        stack.callback(plain.stop)
         edge = ["--orchestrator", orchestrator.address, "--http-adapter", "127.0.0.1:9"]
         envoy = ServiceProcess("gateway.envoy.main", [*edge, "--metrics-port", "-1"])
         stack.callback(envoy.stop)
@@ -161,6 +168,7 @@ def mesh_doors(repository: Path) -> Iterator[list[Door]]:
             Door("stage", stage.address, path),
             Door("thread", stage.address, path, THREAD_MODEL),
             Door("orch", orchestrator.address, {**path, "orch": orchestrator.proc.pid}),
+            Door("plain", plain.address, {**path, "orch": plain.proc.pid}),
             Door(
                 "envoy",
                 envoy.address,
@@ -287,11 +295,13 @@ def summary(runs: dict[str, list[Run]]) -> str:
     def cpu(name: str) -> float:
         return statistics.median(r.cpu_ms for r in runs[name])
 
-    orch_own = statistics.median(r.result.cpu_ms("orch") for r in runs["orch"])
-    lines.append(
-        f"orchestrator hop: +{cpu('orch') - cpu('stage'):.2f} ms CPU per request "
-        f"(the orchestrator's own {orch_own:.2f} ms)"
-    )
+    for door in ("orch", "plain"):
+        own = statistics.median(r.result.cpu_ms("orch") for r in runs[door])
+        lines.append(
+            f"orchestrator hop ({door}): +{cpu(door) - cpu('stage'):.2f} ms CPU per request "
+            f"(the orchestrator's own {own:.2f} ms)"
+        )
+    lines.append(f"orch / plain: {rate('orch') / rate('plain'):.2f}x req/s")
     lines.append(
         f"stage / thread: {rate('stage') / rate('thread'):.2f}x req/s, CPU per request "
         f"{cpu('stage'):.2f} against {cpu('thread'):.2f} ms"
