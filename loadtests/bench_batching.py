@@ -1,9 +1,13 @@
 """What dynamic batching costs a lone request and gains under load, per queue delay policy.
 
     python loadtests/bench_batching.py [--seconds 5] [--rounds 2] [--in-flight 1,16] [--quick]
+                                       [--hidden 512] [--depth 1]
 
-One inference service hosts the same TorchScript MLP (128 -> 512 -> 10, one
-intra-op thread, seeded weights) three times:
+One inference service hosts the same TorchScript MLP (128 -> 512 -> 10 by
+default; ``--hidden`` and ``--depth`` make the hidden layers wider and more
+numerous, so that the model's own compute, which a batch shares, outweighs
+the per-request cost of gRPC, which it does not; one intra-op thread, seeded
+weights) three times:
 
 - ``adaptive``  dynamic batching, max_batch_size 8, max_queue_delay 5 ms, the
                 default ``queue_delay_policy: adaptive`` (shared/batch_delay.py);
@@ -59,7 +63,7 @@ from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.tensors import decode_outputs, encode_inputs
 
-IN, HIDDEN, OUT = 128, 512, 10
+IN, OUT = 128, 10
 MAX_BATCH, DELAY_US = 8, 5000
 VARIANTS = ("adaptive", "fixed", "none")
 LATENCY_TARGET, RATE_TARGET = 1.3, 1.5
@@ -89,16 +93,25 @@ class Settings:
     """Concurrency levels; 1 gives the lone-request latency, 16 the throughput."""
     connections: int
     """gRPC connections the load is spread over."""
+    hidden: int = 512
+    """Width of each hidden layer."""
+    depth: int = 1
+    """Number of hidden layers."""
 
 
 # -- the model and its repository ----------------------------------------------
 
 
-def build_model() -> nn.Module:
+def build_model(hidden: int, depth: int) -> nn.Module:
     """The MLP with weights from a fixed seed, in eval mode."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(25)
-        model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
+        layers: list[nn.Module] = []
+        width = IN
+        for _ in range(depth):
+            layers += [nn.Linear(width, hidden), nn.ReLU()]
+            width = hidden
+        model = nn.Sequential(*layers, nn.Linear(width, OUT))
     return model.eval()
 
 
@@ -294,20 +307,25 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     add_load_flags(parser, seconds=5.0, warmup_s=1.5, settle_s=3.0, in_flight="1,16")
     parser.add_argument("--connections", type=int, default=4, help="gRPC connections")
+    parser.add_argument("--hidden", type=int, default=512, help="width of each hidden layer")
+    parser.add_argument("--depth", type=int, default=1, help="number of hidden layers")
     args = parser.parse_args(argv)
+    if args.hidden < 1 or args.depth < 1:
+        parser.error("--hidden and --depth must be at least 1")
     load, levels = load_from_flags(args)
-    return Settings(load, levels, args.connections)
+    return Settings(load, levels, args.connections, args.hidden, args.depth)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Build, serve, load, report; returns the exit status."""
     install_sigterm_exit()
     settings = parse_args(argv)
-    model = build_model()
+    model = build_model(settings.hidden, settings.depth)
     row = np.random.default_rng(0).standard_normal(IN, dtype=np.float32)
     with torch.no_grad():
         expected = model(torch.from_numpy(row)[None]).numpy()[0]
-    print(f"load average at start {load_average()}", flush=True)
+    shape = " -> ".join(map(str, [IN, *[settings.hidden] * settings.depth, OUT]))
+    print(f"MLP {shape}; load average at start {load_average()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="meshserve-batching-") as tmp:
         build_repository(Path(tmp), model)
         with inference_service(Path(tmp)) as service:
