@@ -21,6 +21,7 @@ from pathlib import Path
 
 from deploy.local.process_tree import end_process_tree
 from deploy.local.procfs import start_ticks
+from deploy.local.reaper import Reaper
 from deploy.local.standby import GO
 
 READY_MARKER = "MESHSERVE_READY"
@@ -90,6 +91,8 @@ class ManagedProcess:
     """On stop, how long the process may drain before it and all it started are killed."""
     hurry: asyncio.Event = field(default_factory=asyncio.Event)
     """Set (a second Ctrl-C): whatever is still stopping is killed at once."""
+    reaper: Reaper | None = None
+    """Told of every process started, to end them should the supervisor be killed."""
     _pumps: list[asyncio.Task[None]] = field(default_factory=list)
     _lifecycle: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Held while the process starts or ends, so a stop sees every process started."""
@@ -152,7 +155,7 @@ class ManagedProcess:
     async def _spawn(self, command: list[str], stdin: int | None) -> asyncio.subprocess.Process:
         env = {**os.environ, **self.environment, "PYTHONUNBUFFERED": "1"}
         # A session of its own: its process group holds whatever it spawns.
-        return await asyncio.create_subprocess_exec(
+        proc = await asyncio.create_subprocess_exec(
             *command,
             stdin=stdin,
             stdout=asyncio.subprocess.PIPE,
@@ -160,6 +163,9 @@ class ManagedProcess:
             env=env,
             start_new_session=True,
         )
+        if self.reaper is not None:
+            self.reaper.track(proc.pid)
+        return proc
 
     def _pumps_of(self, proc: asyncio.subprocess.Process) -> list[asyncio.Task[None]]:
         return [

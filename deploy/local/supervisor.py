@@ -50,6 +50,7 @@ from deploy.local.http_front_door import (
 )
 from deploy.local.placement import CorePlacer, Placement
 from deploy.local.port_plan import Listener, PortPlanError, check_ports
+from deploy.local.reaper import Reaper
 from deploy.local.redis_server import plan_jobs
 from deploy.local.service_process import ManagedProcess, ProcessSpec, log
 from deploy.local.supervisor_metrics import metrics_port, serve_metrics, stop_metrics
@@ -189,6 +190,15 @@ class Shutdown:
     phase: str = "starting"
     """What the mesh is doing, for the log line that says a stop was asked for."""
 
+    @classmethod
+    def listening(cls) -> Shutdown:
+        """A Shutdown that SIGTERM and SIGINT (Ctrl-C) now request."""
+        shutdown = cls()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, shutdown.request, sig)
+        return shutdown
+
     def request(self, sig: signal.Signals) -> None:
         """The signal handler."""
         if self.stop.is_set():
@@ -222,11 +232,10 @@ async def supervise(args: argparse.Namespace) -> int:
     except PortPlanError as exc:
         log(f"not starting the mesh: {exc}")
         return 2
-    shutdown = Shutdown()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, shutdown.request, sig)
+    shutdown = Shutdown.listening()
     cores = engine_cores()
+    # Ends the services should this process be killed without a chance to stop them.
+    reaper = Reaper.start(args.grace_s)
 
     def managed_group(specs: Sequence[ProcessSpec]) -> list[ManagedProcess]:
         environment = {
@@ -237,7 +246,13 @@ async def supervise(args: argparse.Namespace) -> int:
         delays = (float(backoff[0]), float(backoff[1]))
         return [
             ManagedProcess(
-                spec, args.config, delays, environment, grace_s=args.grace_s, hurry=shutdown.hurry
+                spec,
+                args.config,
+                delays,
+                environment,
+                grace_s=args.grace_s,
+                hurry=shutdown.hurry,
+                reaper=reaper,
             )
             for spec in specs
         ]
@@ -272,6 +287,7 @@ async def supervise(args: argparse.Namespace) -> int:
     finally:
         stop_metrics(metrics)
         await _stop_all([edge, [orchestrator], managed, tracing], tasks)
+        await asyncio.to_thread(reaper.close)
 
 
 async def _stop_all(

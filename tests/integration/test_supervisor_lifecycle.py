@@ -245,3 +245,28 @@ def wait_for_starts(
         assert proc.poll() is None and time.monotonic() < deadline, log_tail(log)
         time.sleep(0.1)
     return recorded(pids)[:count]
+
+
+def test_a_killed_supervisor_leaves_nothing_running(
+    tmp_path: Path, supervisor: list[subprocess.Popen[str]]
+) -> None:
+    # SIGKILL reaches no handler: the services (each in a session of its own)
+    # are ended by the reaper the supervisor started, once its pipe closes.
+    repository = hold_repository(tmp_path, exit_after_s=300)
+    config = tmp_path / "mesh.yaml"
+    config.write_text(ONE_STAGE)
+    proc, log = start(supervisor, repository, config, "--ports", "auto", "--grace-s", "1")
+    [pids] = wait_for_starts(tmp_path / "pids.json", 1, proc, log)
+    assert running(pids["stage"]) and running(pids["grandchild"])
+
+    proc.kill()
+    proc.wait(10)
+    deadline = time.monotonic() + 20
+    while (running(pids["stage"]) or running(pids["grandchild"])) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+    assert not running(pids["stage"]), log_tail(log)
+    assert not running(pids["grandchild"]), log_tail(log)
+    said = log.read_text()
+    assert "the supervisor exited and left" in said and str(pids["stage"]) in said, said
+    assert processes_mentioning(str(repository)) == []
