@@ -109,7 +109,7 @@ def element_count(what: str, shape: Sequence[int]) -> int:
     return count
 
 
-def deserialize_bytes(name: str, raw: bytes, count: int) -> np.ndarray:
+def deserialize_bytes(name: str, raw: bytes | memoryview, count: int) -> np.ndarray:
     """Length-prefixed BYTES elements -> object array; checks count and length."""
     items: list[bytes] = []
     offset = 0
@@ -147,7 +147,9 @@ def serialize_bytes(array: np.ndarray) -> bytes:
     return b"".join(parts)
 
 
-def decode_raw(name: str, datatype: str, shape: Sequence[int], raw: bytes) -> np.ndarray:
+def decode_raw(
+    name: str, datatype: str, shape: Sequence[int], raw: bytes | memoryview
+) -> np.ndarray:
     """A raw little-endian buffer -> array, checking its byte length."""
     dtype = _dtype(name, datatype)
     count = element_count(f"tensor '{name}'", shape)

@@ -31,7 +31,8 @@ class WireTensor:
 
     datatype: str
     shape: tuple[int, ...]
-    raw: bytes
+    raw: bytes | memoryview
+    """The bytes, or a view into the stage answer that brought them (step_wire.py)."""
 
 
 @dataclass(frozen=True)

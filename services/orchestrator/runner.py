@@ -32,7 +32,8 @@ from services.orchestrator.ensemble import (
 from services.orchestrator.ensembles import ENSEMBLE_VERSION, EnsembleRegistry
 from services.orchestrator.route_headers import FINAL_ONLY_PARAMETER
 from services.orchestrator.router import StageRouter
-from services.orchestrator.streaming import StepStreams, relay, step_request, wire_outputs
+from services.orchestrator.step_wire import answer_tensors, request_bytes
+from services.orchestrator.streaming import StepStreams, relay, wire_outputs
 from shared.classification import classification
 from shared.errors import InvalidArgument
 from shared.servicer import EMPTY_FINAL_RESPONSE, FINAL_RESPONSE, refuse_shared_memory
@@ -173,12 +174,24 @@ class EnsembleRunner:
     ) -> StepCall:
         """Run one step: a ModelInfer, or a message on the step's open stream."""
 
+        parameters = {
+            key: request.parameters[key]
+            for key in ("priority", "timeout")
+            if key in request.parameters
+        }
+
         async def call(step: Step, inputs: Outputs, outputs: list[str]) -> Outputs:
-            sub = step_request(step, inputs, outputs, request.id)
-            for key in ("priority", "timeout"):
-                if key in request.parameters:
-                    sub.parameters[key].CopyFrom(request.parameters[key])
-            if self.ensembles.get(step.model) is not None:
+            data = request_bytes(step, inputs, outputs, request.id, parameters)
+            nested = self.ensembles.get(step.model) is not None
+            if not nested and streams is None and deadline.at is None:
+                # No deadline to pass on: as a forwarded request, a message on an open
+                # stream with its trace context (forward_stream.py), which costs the
+                # orchestrator and the stage less than a new RPC; neither message is
+                # decoded here (step_wire.py).
+                answer = await self.router.forward(step.model, data, None, request.id)
+                return answer_tensors(step.model, answer)
+            sub = pb.ModelInferRequest.FromString(data)
+            if nested:
                 return wire_outputs(await self.nested(sub, deadline))
             if streams is None:
                 return wire_outputs(await self._unary(sub, deadline))
@@ -190,14 +203,6 @@ class EnsembleRunner:
         self, request: pb.ModelInferRequest, deadline: Deadline
     ) -> pb.ModelInferResponse:
         timeout = deadline.remaining()
-        if timeout is None:
-            # No deadline to pass on: as a forwarded request, a message on an open
-            # stream with its trace context (forward_stream.py), which costs the
-            # orchestrator and the stage less than a new RPC.
-            answer = await self.router.forward(
-                request.model_name, request.SerializeToString(), None, request.id
-            )
-            return pb.ModelInferResponse.FromString(answer)
         response: pb.ModelInferResponse = await self.router.call(
             request.model_name, lambda stub: stub.ModelInfer(request, timeout=timeout)
         )
@@ -213,7 +218,7 @@ class EnsembleRunner:
         async def stream(
             step: Step, inputs: Outputs, outputs: list[str]
         ) -> AsyncGenerator[Outputs, None]:
-            sub = step_request(step, inputs, outputs, request.id)
+            sub = pb.ModelInferRequest.FromString(request_bytes(step, inputs, outputs, request.id))
             # The engine serves by the caller's priority and, asked for, answers once.
             for key in ("priority", FINAL_ONLY_PARAMETER):
                 if key in request.parameters:
@@ -240,5 +245,5 @@ def _response(
     for name in wanted:
         tensor = outputs[name]
         response.outputs.add(name=name, datatype=tensor.datatype, shape=list(tensor.shape))
-        response.raw_output_contents.append(tensor.raw)
+        response.raw_output_contents.append(bytes(tensor.raw))
     return response

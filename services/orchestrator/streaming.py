@@ -79,19 +79,6 @@ def _raise_unless_retried(exc: MeshError, attempt: int) -> None:
     raise exc
 
 
-def step_request(
-    step: Step, inputs: dict[str, WireTensor], outputs: list[str], request_id: str
-) -> pb.ModelInferRequest:
-    """The ModelInferRequest for one ensemble step."""
-    sub = pb.ModelInferRequest(model_name=step.model, model_version=step.version, id=request_id)
-    for name, tensor in inputs.items():
-        sub.inputs.add(name=name, datatype=tensor.datatype, shape=list(tensor.shape))
-        sub.raw_input_contents.append(tensor.raw)
-    for name in outputs:
-        sub.outputs.add(name=name)
-    return sub
-
-
 def wire_outputs(response: pb.ModelInferResponse) -> dict[str, WireTensor]:
     """A response's outputs in wire form."""
     return {
