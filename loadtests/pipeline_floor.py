@@ -1,7 +1,9 @@
 """The steps of a pipeline in one process: the floor ``bench_pipeline.py`` holds the mesh to.
 
 Each pipeline is three steps, as its ensemble lists them, run by the stages' own
-instance classes (same sessions, threads and settings as the servers give them):
+instance classes (same sessions and settings as the servers give them; the ORT
+session gets every core for its operators even where the mesh's config gives its
+stage fewer, so the floor is never weaker than one process can be):
 
 - ``first``  one request's input -> its prepared item (image decode and resize,
              tokenization): per request, so the batched floor can spread it over
@@ -13,6 +15,7 @@ instance classes (same sessions, threads and settings as the servers give them):
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,7 +27,7 @@ from services.postprocess.pool import EmbeddingPoolInstance
 from services.preprocess.backend import transform_config
 from services.preprocess.transform import TransformConfig, preprocess
 from services.tokenizer.backend import TokenizerInstance
-from shared.backend import ModelSpec, config_parameters
+from shared.backend import ModelSpec, config_parameters, default_intra_op_threads
 from shared.model import instance_specs
 from shared.repository import ModelRepository
 from shared.request import InferRequest, InferResponse
@@ -47,6 +50,15 @@ def _instance(repository: ModelRepository, name: str, kind: type[Any]) -> Any:
     """The stage's instance class for ``name``, as a CPU host would build its first one."""
     spec = model_spec(repository, name)
     return kind(spec, instance_specs(spec.config, 0)[0])
+
+
+def _session(repository: ModelRepository, name: str) -> OnnxInstance:
+    """The model's ORT session as its stage builds it, with every core for its
+    operators whatever thread count the mesh's config gives the stage: a
+    one-process server would give its only model all of them."""
+    spec = model_spec(repository, name)
+    first = instance_specs(spec.config, 0)[0]
+    return OnnxInstance(spec, replace(first, intra_op_threads=default_intra_op_threads(1)))
 
 
 def _only(results: list[InferResponse | Exception]) -> InferResponse:
@@ -91,7 +103,7 @@ class ImageFloor:
     def __init__(self, root: Path) -> None:
         repository = ModelRepository(root)
         self.transform: TransformConfig = transform_config(model_spec(repository, self.steps[0]))
-        self.session = _instance(repository, self.steps[1], OnnxInstance)
+        self.session = _session(repository, self.steps[1])
         classify = _instance(repository, self.steps[2], ClassifyInstance)
         self.labels, self.top_k = classify.labels, classify.top_k
 
@@ -128,7 +140,7 @@ class TextFloor:
     def __init__(self, root: Path) -> None:
         repository = ModelRepository(root)
         self.tokenizer = _instance(repository, self.steps[0], TokenizerInstance)
-        self.session = _instance(repository, self.steps[1], OnnxInstance)
+        self.session = _session(repository, self.steps[1])
         self.pool = _instance(repository, self.steps[2], EmbeddingPoolInstance)
 
     def first(self, data: bytes) -> dict[str, np.ndarray]:

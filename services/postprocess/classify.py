@@ -107,6 +107,11 @@ def _check_tensors(spec: ModelSpec, top_k: int) -> int:
 class ClassifyInstance:
     """Softmax and top-k over one model's labels."""
 
+    loop_safe = True
+    """numpy on arrays already in memory, no callback into the loop: a batch runs
+    on the loop once measured cheap (shared/inline_budget.py), without the hop to
+    the instance's thread that costs a request more than the top-k itself."""
+
     def __init__(self, spec: ModelSpec, instance: InstanceSpec) -> None:
         self.spec = spec
         try:

@@ -78,6 +78,11 @@ def _check_tensors(spec: ModelSpec) -> None:
 class EmbeddingPoolInstance:
     """Masked mean pooling (and L2 normalisation) over a whole batch at once."""
 
+    loop_safe = True
+    """numpy on arrays already in memory, no callback into the loop: a batch runs
+    on the loop once measured cheap (shared/inline_budget.py), without the hop to
+    the instance's thread that costs a request more than the pooling itself."""
+
     def __init__(self, spec: ModelSpec, instance: InstanceSpec) -> None:
         self.spec = spec
         try:
