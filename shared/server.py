@@ -34,6 +34,16 @@ from shared.tracing import make_tracer_provider, tracer_for
 
 log = logging.getLogger(__name__)
 
+PING_INTERVAL_MS = 500
+"""The shortest gap between a client's pings that a server takes without answering
+GOAWAY "too_many_pings" (after two strikes), with or without calls open. gRPC
+clients send at most one a second (BDP probes; keepalive every 30 s,
+shared/channels.py), but a server's defaults allow one per 5 minutes while it
+sends nothing, and one per 2 hours on a connection with no call open: a stage
+whose orchestrator probed an idle connection a few times dropped it with the
+request that came next. Half the clients' gap absorbs a busy host's delays;
+a flood is still refused."""
+
 FLUSH_GRACE_S = 0.2
 """Grace for the server's own stop once no counted RPC is left: time for the
 last answers to go out. Open streams that were never counted (health Watch, a
@@ -106,6 +116,8 @@ class MeshServer:
                 ("grpc.max_send_message_length", limit),
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.so_reuseport", 0),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", PING_INTERVAL_MS),
             ],
         )
         for add, servicer in self.parts.servicers:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import select
+import socket
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,3 +118,55 @@ def test_wrong_byte_length_is_invalid_argument_naming_the_tensor(
 
 def test_python_models_dir_is_used(python_models_repo: Path) -> None:
     assert (python_models_repo / "add_sub" / "1" / "model.py").is_file()
+
+
+def _pings_until_goaway(address: str, pings: int, gap_s: float) -> bytes | None:
+    """Open an HTTP/2 connection with no call on it and send ``pings`` PING frames
+    ``gap_s`` apart, as a gRPC client's BDP probes and keepalives go; the debug
+    data of the server's GOAWAY, None when it sent none."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as conn:
+        conn.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(4, 0, b""))
+        received = b""
+        start = time.monotonic()
+        sent = 0
+        while (now := time.monotonic()) < start + (pings - 1) * gap_s + 0.5:
+            if sent < pings and now >= start + sent * gap_s:
+                conn.sendall(_frame(6, 0, sent.to_bytes(8, "big")))
+                sent += 1
+            ready, _, _ = select.select([conn], [], [], 0.01)
+            if ready:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    break
+                received += chunk
+            received, frames = _split_frames(received)
+            for kind, flags, payload in frames:
+                if kind == 4 and not flags & 1:
+                    conn.sendall(_frame(4, 1, b""))  # acknowledge the server's settings
+                if kind == 7:
+                    return payload[8:]
+    return None
+
+
+def _frame(kind: int, flags: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + bytes(4) + payload
+
+
+def _split_frames(data: bytes) -> tuple[bytes, list[tuple[int, int, bytes]]]:
+    frames = []
+    while len(data) >= 9 and len(data) >= 9 + int.from_bytes(data[:3], "big"):
+        size = int.from_bytes(data[:3], "big")
+        frames.append((data[3], data[4], data[9 : 9 + size]))
+        data = data[9 + size :]
+    return data, frames
+
+
+def test_a_connection_pinged_as_grpc_clients_ping_is_kept(bare_service: ServiceProcess) -> None:
+    # gRPC's server defaults allow one ping per two hours on a connection with no
+    # call: the fourth of these would be answered GOAWAY "too_many_pings".
+    assert _pings_until_goaway(bare_service.address, pings=4, gap_s=0.75) is None
+
+
+def test_a_ping_flood_is_still_refused(bare_service: ServiceProcess) -> None:
+    assert _pings_until_goaway(bare_service.address, pings=8, gap_s=0.01) == b"too_many_pings"
