@@ -25,6 +25,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from shared import logs
+from shared.allocator import keep_large_blocks
 from shared.channels import use_mesh_tls
 from shared.config import ServiceConfig
 from shared.interceptors import DrainGate, ErrorInterceptor, TracingInterceptor
@@ -103,6 +104,7 @@ class MeshServer:
 
     async def start(self) -> None:
         """Bind, run the start hooks, then report SERVING."""
+        keep_large_blocks()  # tensors of hundreds of KB, allocated and freed per request
         limit = self.config.max_message_bytes
         server = grpc.aio.server(
             # Outermost first: the error map sees the gate's refusals, and the
