@@ -86,6 +86,7 @@ from deploy.local.procfs import start_ticks
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from models.sources import sample_image
+from shared.allocator import keep_large_blocks
 from shared.tensors import decode_outputs, encode_inputs
 
 STAGE_PROCESSES = ("preprocess-0", "tokenizer-0", "inference-0", "postprocess-0")
@@ -601,6 +602,7 @@ def pipeline_mesh(source: Path, pipe: Pipeline, tracing: bool) -> Iterator[MeshI
 def main(argv: Sequence[str] | None = None) -> int:
     """Floor, mesh, load, report; returns the exit status."""
     install_sigterm_exit()
+    keep_large_blocks()  # as every mesh service does (shared/server.py): the floor gains alike
     settings = parse_args(argv)
     floor = FLOORS[settings.pipeline](settings.repository)
     pipe = Pipeline(settings.pipeline, floor.steps)
