@@ -104,6 +104,9 @@ class EdgeConfig(ServiceConfig):
     trace_store: str | None = None
     """host:port of the trace store's query port: /traces and Jaeger's /api go there (the
     local supervisor sets it when it runs the store)."""
+    concurrency: int = Field(0, ge=0, le=1024)
+    """Envoy's worker threads (its --concurrency); 0: Envoy's default, one per hardware
+    thread. Set it to the CPU limit of a container (docs/envoy.md)."""
 
 
 def settings_from(config: EdgeConfig, workdir: Path) -> EdgeSettings:
@@ -270,6 +273,7 @@ async def run(config: EdgeConfig) -> int:
             "-c",
             str(bootstrap),
             "--disable-hot-restart",
+            *(["--concurrency", str(config.concurrency)] if config.concurrency else []),
             "--log-level",
             "warning",
             "--drain-time-s",

@@ -31,7 +31,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import (
     INFER_METHOD,
+    Call,
     GrpcTarget,
     LoadResult,
     LoadSettings,
@@ -57,6 +57,7 @@ from peers.model import MODEL, mesh_repository, write_torchscript
 from peers.torchserve import free_port
 from peers.ways import GRPC_CONNECTIONS, PostTarget, grpc_payload, rest_binary
 
+from deploy.local.procfs import TICKS
 from gateway.envoy.config import build_config
 from gateway.envoy.main import EdgeConfig, settings_from
 
@@ -129,6 +130,17 @@ def _transcoder_off_for_grpc(boot: Bootstrap) -> None:
     }
 
 
+def _http2_codec(oghttp2: bool) -> Callable[[Bootstrap], None]:
+    """Envoy's HTTP/2 codec chosen by its runtime flag: oghttp2 or nghttp2."""
+
+    def change(boot: Bootstrap) -> None:
+        layers = boot.setdefault("layered_runtime", {"layers": []})["layers"]
+        flag = {"envoy.reloadable_features.http2_use_oghttp2": oghttp2}
+        layers.append({"name": "codec", "static_layer": flag})
+
+    return change
+
+
 VARIANTS = {
     v.name: v
     for v in (
@@ -145,6 +157,8 @@ VARIANTS = {
         Variant("mesh -path rules", _without_path_rules),
         Variant("mesh -local reply", _without_local_reply),
         Variant("mesh -connection limit", _without_connection_limit),
+        Variant("mesh nghttp2", _http2_codec(oghttp2=False)),
+        Variant("mesh oghttp2", _http2_codec(oghttp2=True)),
     )
 }
 
@@ -218,8 +232,8 @@ def _cluster(name: str, target: str, options: dict[str, Any]) -> dict[str, Any]:
 
 def variant_config(variant: Variant, running: servers.Running, folder: Path) -> tuple[int, Path]:
     """The variant's bootstrap, written and checked with ``envoy --mode validate``."""
-    port, work = free_port(), folder / variant.name.replace(" ", "_")
-    work.mkdir()
+    port, work = free_port(), folder / "envoys" / variant.name.replace(" ", "_")
+    work.mkdir(parents=True)
     adapter = running.extra["front_door"]
     if variant.minimal:
         boot = minimal_config(port, running.grpc, adapter, work / "admin.sock")
@@ -262,13 +276,33 @@ def started_envoys(
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
             procs.append(proc)
             found[variant.name] = (f"127.0.0.1:{port}", proc.pid)
-        time.sleep(1.0)  # listeners bind once the clusters' first health checks are in
         yield found
     finally:
         for proc in procs:
             proc.terminate()
         for proc in procs:
             proc.wait(10)
+
+
+def _steal_seconds() -> float:
+    """CPU time the hypervisor took from this machine so far (/proc/stat)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    return int(fields[8]) / TICKS
+
+
+async def _steal() -> float:
+    return _steal_seconds()
+
+
+async def _answered(call: Call, attempts: int = 50) -> None:
+    """One call that succeeds (an Envoy that has just started may not route yet)."""
+    for _ in range(attempts - 1):
+        try:
+            await call()
+            return
+        except Exception:  # not ready yet: its listener or its cluster's first health check
+            await asyncio.sleep(0.2)
+    await call()
 
 
 async def measure(
@@ -284,8 +318,8 @@ async def measure(
         target = GrpcTarget(address, INFER_METHOD, grpc_payload(MODEL), connections)
     try:
         calls = target.calls()
-        await calls[0]()
-        return await closed_loop(label, calls, in_flight, pids, load)
+        await _answered(calls[0])
+        return await closed_loop(label, calls, in_flight, pids, load, probe=_steal)
     finally:
         await target.close()
 
