@@ -105,11 +105,13 @@ def write_answers(answers: list[pb.ModelStreamInferResponse]) -> bytes:
 
 
 class AnswerPacker:
-    """Writes answers on a Forward stream: at once when no write is under way,
-    else with the others that are ready when it ends, in one message."""
+    """Writes answers on a Forward stream: at once when no write is under way
+    (after the other requests ready to run, when ``busy``), else with the others
+    that are ready when it ends, in one message."""
 
-    def __init__(self, context: Any) -> None:
+    def __init__(self, context: Any, busy: Callable[[], bool]) -> None:
         self._context = context
+        self._busy = busy
         self._ready: list[pb.ModelStreamInferResponse] = []
         self._writing = False
 
@@ -121,6 +123,10 @@ class AnswerPacker:
             return
         self._writing = True
         try:
+            if self._busy():
+                # The stream's other requests that are ready to run answer first,
+                # into this message (a lone request's answer goes at once).
+                await asyncio.sleep(0)
             while self._ready:
                 answers, self._ready = self._ready, []
                 await self._context.write(answers)
@@ -146,8 +152,8 @@ async def serve_forwarded(
     When the caller goes away, this is cancelled and so is every request still
     running."""
     await context.send_initial_metadata(((FORWARD_HEADER, FORWARD_UNARY),))
-    send = AnswerPacker(context).send if packed else _one_at_a_time(context)
     tasks: set[asyncio.Task[None]] = set()
+    send = AnswerPacker(context, lambda: len(tasks) > 1).send if packed else _one_at_a_time(context)
 
     async def one(request: pb.ModelInferRequest, refused: MeshError | None) -> None:
         await send(await answer(request, context, refused))

@@ -142,9 +142,10 @@ class Endpoint:
         return self.raw_calls[next(self._next)]
 
     def forward_stream(self) -> ForwardStream:
-        """The next channel's stream for forwarded requests (a new one when it
-        stopped taking them)."""
-        index = next(self._next)
+        """The stream for forwarded requests: the replica's packed one, else the
+        next channel's (a new one when it stopped taking them)."""
+        # Packed: one stream, so that every request waiting can join its message.
+        index = 0 if self.packs else next(self._next)
         stream = self.forward_streams.get(index)
         if stream is None or not stream.open:
             if stream is not None:
