@@ -25,7 +25,7 @@ from deploy.local.port_plan import Listener, PortPlanError
 from deploy.local.service_process import ManagedProcess, ProcessSpec
 
 MODES = ("orchestrator", "process")
-DEFAULT_MODE = "process"
+DEFAULT_MODE = "orchestrator"
 HTTP_PORT_FLAG = "--http-port"
 IN_ORCHESTRATOR = "gateway.http.in_orchestrator"
 """The orchestrator's entry point with the HTTP front door on its loop."""

@@ -1,9 +1,9 @@
 """The HTTP front door's listener and its drain, wherever it runs.
 
-Two processes serve the same aiohttp application (app.py): the HTTP adapter
-(main.py), which calls the orchestrator over gRPC (``Upstream``), and the
-orchestrator itself (services/orchestrator/main.py with ``http_port`` set),
-which calls its core in process (``CoreUpstream``). ``HttpSettings`` are the
+Two processes serve the same aiohttp application (app.py): the orchestrator
+itself (in_orchestrator.py, the local mesh's default), which calls its core in
+process (``CoreUpstream``), and the HTTP adapter (main.py), which calls the
+orchestrator over gRPC (``Upstream``). ``HttpSettings`` are the
 settings both read; ``FrontDoor`` starts the listener and drains it.
 
 On drain: readiness turns 400 and new requests get 503, the listener closes,
@@ -24,7 +24,7 @@ from pydantic import Field
 from gateway.http.app import AdapterState, build_app
 from shared.config import ServiceConfig
 
-CUT_REASON = "the HTTP adapter shut down before the answer finished; retry on another replica"
+CUT_REASON = "the HTTP front door shut down before the answer finished; retry on another replica"
 
 
 class HttpSettings(ServiceConfig):

@@ -3,8 +3,8 @@
 ``python -m gateway.http.in_orchestrator --stages inference=127.0.0.1:8003 ...
 --model-repository DIR --http-port 8007``: every flag of
 ``services.orchestrator.main``, plus the HTTP adapter's (``HttpSettings``); it
-reads ``services.orchestrator`` of the mesh YAML. The local mesh runs it with
-``supervisor.http_front_door: orchestrator`` (deploy/local/http_front_door.py).
+reads ``services.orchestrator`` of the mesh YAML. The local mesh runs it by default
+(``supervisor.http_front_door: orchestrator``, deploy/local/http_front_door.py).
 
 ::
 

@@ -1,6 +1,6 @@
 """A mesh with the whole chat and image paths but no vLLM, for tests that need
-every service (Envoy, HTTP adapter, orchestrator, each stage, the supervisor)
-and not the LLM engine's start-up: the engine is a python stand-in with vLLM's
+every service (Envoy, the orchestrator with its HTTP front door, each stage,
+the supervisor) and not the LLM engine's start-up: the engine is a python stand-in with vLLM's
 contract (tests/data/models/echo_engine) under the engine's name.
 
 One such mesh serves the session (the ``small_mesh`` fixture in conftest.py:

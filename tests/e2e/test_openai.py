@@ -314,12 +314,12 @@ def test_one_chat_request_is_one_trace_across_the_mesh(base_url: str, otlp: Otlp
     stages = ("tokenizer", "inference", "postprocess")
 
     def complete(spans: list[Span]) -> bool:
-        # Every process exports on its own schedule; the orchestrator's and the
-        # adapter's server spans end last, so wait for those and every stage.
-        servers = {s.service for s in spans if s.trace_id == trace_id and s.kind == 2}
-        return {"envoy", "http_adapter", "orchestrator", *stages} <= servers | {
-            s.service for s in spans if s.trace_id == trace_id
-        } and {"http_adapter", "orchestrator"} <= servers
+        # Every process exports on its own schedule; the orchestrator's two server
+        # spans (the HTTP request, its Chat call) end last, so wait for those and
+        # every stage.
+        mine = [s for s in spans if s.trace_id == trace_id]
+        doors = [s for s in mine if s.service == "orchestrator" and s.kind == 2]
+        return {"envoy", *stages} <= {s.service for s in mine} and len(doors) == 2
 
     mine = [s for s in otlp.wait_for(complete) if s.trace_id == trace_id]
     by_id = {s.span_id: s for s in mine}
@@ -329,13 +329,15 @@ def test_one_chat_request_is_one_trace_across_the_mesh(base_url: str, otlp: Otlp
         return by_id[span.parent_id]
 
     (envoy,) = [s for s in mine if s.service == "envoy" and s.parent_id == caller]
-    (adapter,) = [s for s in mine if s.service == "http_adapter" and s.kind == 2]
-    assert adapter.name == "POST /v1/chat/completions"
-    # The adapter's server span hangs under Envoy's (directly or through its egress span).
-    above = parent(adapter)
+    # The orchestrator serves REST itself (http_front_door's default): its HTTP
+    # server span hangs under Envoy's (directly or through its egress span).
+    servers = [s for s in mine if s.service == "orchestrator" and s.kind == 2]
+    (door,) = [s for s in servers if s.name == "POST /v1/chat/completions"]
+    above = parent(door)
     assert above.service == "envoy" and (above is envoy or parent(above) is envoy)
-    (orchestrator,) = [s for s in mine if s.service == "orchestrator" and s.kind == 2]
-    assert parent(orchestrator).service == "http_adapter"
+    # The chat's meshserve.v1 call goes to the orchestrator's own gRPC port, below it.
+    (orchestrator,) = [s for s in servers if s is not door]
+    assert parent(orchestrator) is door or parent(parent(orchestrator)) is door
     for stage in stages:
         served = [s for s in mine if s.service == stage and s.kind == 2]
         assert served, f"no {stage} server span in the trace"

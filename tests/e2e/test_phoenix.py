@@ -4,10 +4,10 @@ spans of every service on its path, read back through Phoenix's REST API.
 Every span batch the mesh's services export reaches Phoenix's OTLP/gRPC port
 as sent (through the session's relay, tests/e2e/small_mesh.py), as it would
 reach Jaeger, Tempo or an OpenTelemetry Collector. The mesh is the session's
-small one (tests/e2e/small_mesh.py) with the whole chat path (Envoy, HTTP adapter,
-orchestrator, tokenizer, engine, detokenizer) but a stand-in engine in place of
-vLLM, whose start-up would cost more than the rest of this test; the image
-path is the real MobileNetV2.
+small one (tests/e2e/small_mesh.py) with the whole chat path (Envoy, the
+orchestrator with its HTTP front door, tokenizer, engine, detokenizer) but a
+stand-in engine in place of vLLM, whose start-up would cost more than the rest
+of this test; the image path is the real MobileNetV2.
 Phoenix runs from its own venv (``make phoenix``).
 """
 
@@ -42,7 +42,7 @@ pytestmark = pytest.mark.e2e
 PHOENIX = cache_dir() / "venvs" / "phoenix" / "bin" / "phoenix"
 CHAT_PATH = {
     "envoy": None,
-    "http_adapter": None,
+    "http_front_door": None,  # the orchestrator's HTTP server span (its process by default)
     "orchestrator": "llm",
     "tokenizer": "smollm2_tokenizer",
     "inference": "smollm2",
@@ -144,7 +144,7 @@ def service_of(span: dict[str, Any], root: str) -> str | None:
     if span["parent_id"] == root:
         return "envoy"
     if "http.route" in attributes:
-        return "http_adapter"
+        return "http_front_door"
     model = attributes.get("meshserve.model")
     if model is None or span["name"].startswith("ensemble step"):
         return None  # a client span, or the orchestrator's span around an ensemble step

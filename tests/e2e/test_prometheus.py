@@ -208,12 +208,17 @@ def test_every_process_of_the_mesh_is_a_target_and_up(loaded: str) -> None:
         return ({t["labels"]["job"] for t in targets} - down) & up
 
     stages = {"orchestrator", "inference", "tokenizer", "preprocess", "postprocess"}
-    wanted = stages | {"supervisor", "http_adapter", "envoy"}
+    wanted = stages | {"supervisor", "envoy"}
     targets = api(loaded, "targets")["activeTargets"]
     assert wanted <= {t["labels"]["job"] for t in targets}
     # A scrape may time out on a busy machine (its timeout is the 1 s interval): retry.
     every = {t["labels"]["job"] for t in targets}
     until(lambda: jobs_up() == every, 20, f"not every target up: {targets}")
+    # The orchestrator serves REST itself (http_front_door's default): the HTTP front
+    # door's metrics come with its job, and no adapter process is left to scrape.
+    assert "http_adapter" not in every
+    chats = 'meshserve_http_requests_total{job="orchestrator", route="/v1/chat/completions"}'
+    until(lambda: api(loaded, "query", query=chats)["result"], 20, "no HTTP metrics")
 
 
 def test_envoy_shows_its_statistics_and_nothing_else_of_its_admin(

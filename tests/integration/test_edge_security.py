@@ -2,7 +2,7 @@
 slow and idle clients, an admin interface off TCP, and a drain that follows the grace.
 
 Real Envoy in front of a small mesh (the inference stage with add_sub and slow,
-the orchestrator, the HTTP adapter), clients as users call it.
+the orchestrator serving REST itself, as by default), clients as users call it.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def test_torchserve_management_listener_needs_the_admin_role(mesh: dict[str, Any
     register = "/models?url=kitten.mar"
     assert post(listener, register, {}) == 401
     assert post(listener, register, user) == 403
-    # Past the edge: this mesh's adapter has no model store, and says so.
+    # Past the edge: this mesh's HTTP front door has no model store, and says so.
     assert post(listener, register, admin) == 503
 
 
@@ -271,7 +271,7 @@ def test_drain_lets_a_long_request_finish_within_the_grace(mesh: dict[str, Any])
             "--orchestrator",
             mesh["orchestrator"],
             "--http-adapter",
-            mesh["processes"]["http_adapter"]["grpc"],
+            mesh["http_front_door"],
             "--grace-period-s",
             "10",
             "--access-log",

@@ -3,18 +3,22 @@
 One mesh in the test's process (tests/in_process.py: python-backend stage and
 orchestrator, real grpc.aio servers on port 0) with the front door listening on
 a real port over its core (gateway/http/in_orchestrator.py), called with
-urllib as a client would. A last test runs the local mesh with
-``supervisor.http_front_door: orchestrator``: Envoy sends REST to the
-orchestrator, and no HTTP adapter process runs.
+urllib as a client would. A last test runs the local mesh as it starts by
+default (``supervisor.http_front_door: orchestrator``): Envoy sends REST to the
+orchestrator, no HTTP adapter process runs, and once the orchestrator is killed
+the supervisor's restart gives REST back.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import signal
 import struct
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -214,6 +218,21 @@ def check_trace(receiver: OtlpReceiver) -> None:
     assert stage.parent_id == client.span_id
 
 
+def rest_comes_back(url: str, within_s: float) -> list[float]:
+    """POST add_sub's body until it is answered 200 (refusals and 503s while the
+    orchestrator restarts); its OUTPUT0."""
+    deadline = time.monotonic() + within_s
+    while True:
+        request = urllib.request.Request(url, data=add_sub_body(), method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                outputs = {o["name"]: o["data"] for o in json.loads(answer.read())["outputs"]}
+                return list(outputs["OUTPUT0"])
+        except (urllib.error.URLError, ConnectionError) as exc:
+            assert time.monotonic() < deadline, f"REST did not come back: {exc}"
+            time.sleep(0.2)
+
+
 MESH = """
 defaults: { host: 127.0.0.1, grace_period_s: 3, otlp_endpoint: "%s" }
 services:
@@ -222,7 +241,6 @@ supervisor:
   stages:
     - { name: inference, module: services.inference.main, replicas: 1 }
   edge: true
-  http_front_door: orchestrator
   trace_store: false
   jobs: { enabled: false }
 """
@@ -237,6 +255,8 @@ def test_the_local_mesh_serves_rest_from_the_orchestrator(
     proc, info = start_mesh(repo, config, ["--grace-s", "5"])
     try:
         assert set(info["processes"]) == {"orchestrator", "inference-0", "envoy"}
+        orchestrator = info["orchestrator"].rsplit(":", 1)[0]
+        assert info["http_front_door"].startswith(f"{orchestrator}:")
         edge = info["processes"]["envoy"]["grpc"]
         request = urllib.request.Request(
             f"http://{edge}/v2/models/add_sub/infer",
@@ -262,6 +282,9 @@ def test_the_local_mesh_serves_rest_from_the_orchestrator(
             name == "meshserve_http_requests_total" and ("status", "200") in labels
             for name, labels in samples
         )
+        # The front door lives and dies with the orchestrator; its restart brings REST back.
+        os.kill(info["processes"]["orchestrator"]["pid"], signal.SIGKILL)
+        assert rest_comes_back(f"http://{edge}/v2/models/add_sub/infer", 30) == [11, 12, 13, 14]
     finally:
         stop_mesh(proc)
     assert proc.returncode == 0

@@ -1,12 +1,14 @@
 """Mutual TLS between the services: the mesh answers, a caller without its certificate cannot.
 
 One small mesh under the supervisor (the inference stage with the python
-add_sub model, the orchestrator, the HTTP adapter and Envoy), every service
-given the same development certificate (``deploy/local/certs.py``) in the
-mesh YAML's ``defaults``. Requests through Envoy cross every hop over TLS
-(Envoy -> adapter -> orchestrator -> stage); a process on the host that
-dials the orchestrator, a stage or the adapter directly is refused in the
-handshake, whether it brings no certificate or one another CA signed.
+add_sub model, the orchestrator and Envoy), every service given the same
+development certificate (``deploy/local/certs.py``) in the mesh YAML's
+``defaults``. Requests through Envoy cross every hop over TLS (Envoy ->
+orchestrator -> stage, REST to the orchestrator's HTTP front door as by
+default, or to the HTTP adapter process with ``http_front_door: process``); a
+process on the host that dials the orchestrator, a stage or the HTTP front
+door directly is refused in the handshake, whether it brings no certificate or
+one another CA signed.
 """
 
 from __future__ import annotations
@@ -144,18 +146,18 @@ def test_a_caller_without_the_mesh_certificate_is_refused(
         assert ready.ready
 
 
-def test_the_http_adapter_wants_the_mesh_certificate_too(
+def test_the_http_front_door_wants_the_mesh_certificate_too(
     mesh: dict[str, Any], certificates: MeshCertificates
 ) -> None:
-    adapter = _address(mesh, "http_adapter")
+    door = mesh["http_front_door"]
     with pytest.raises((urllib.error.URLError, ConnectionError)):
-        urllib.request.urlopen(f"http://{adapter}/v2/health/live", timeout=5)
+        urllib.request.urlopen(f"http://{door}/v2/health/live", timeout=5)
     without = ssl.create_default_context(cafile=str(certificates.ca))
     with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
-        urllib.request.urlopen(f"https://{adapter}/v2/health/live", timeout=5, context=without)
+        urllib.request.urlopen(f"https://{door}/v2/health/live", timeout=5, context=without)
     with_cert = ssl.create_default_context(cafile=str(certificates.ca))
     with_cert.load_cert_chain(str(certificates.cert), str(certificates.key))
     with urllib.request.urlopen(
-        f"https://{adapter}/v2/health/live", timeout=5, context=with_cert
+        f"https://{door}/v2/health/live", timeout=5, context=with_cert
     ) as reply:
         assert reply.status == 200

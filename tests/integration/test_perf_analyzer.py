@@ -1,7 +1,7 @@
 """Triton's perf_analyzer, run as a Triton user runs it, against the mesh.
 
 One small mesh (an inference stage with Triton's Python-backend ``add_sub``
-and the decoupled ``square_int32``, the orchestrator, the HTTP adapter and
+and the decoupled ``square_int32``, the orchestrator serving REST too, and
 Envoy). perf_analyzer reads each model's metadata and config, sends load over
 gRPC or HTTP at each concurrency level, and reads the server's own request
 counts from the statistics extension: its client-side count and the mesh's

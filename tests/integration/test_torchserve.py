@@ -2,8 +2,8 @@
 torch-model-archiver), their handlers, and their calls, through Envoy.
 
 One small mesh for the module (inference, preprocess and postprocess stages,
-the orchestrator, the HTTP adapter, Envoy with TorchServe's management
-listener). The seed's flow runs as TorchServe's docs write it, with curl;
+the orchestrator serving the HTTP front door, Envoy with TorchServe's
+management listener). The seed's flow runs as TorchServe's docs write it, with curl;
 the built-in image_classifier handler over the repository's MobileNetV2
 answers what the mesh's own image_classifier ensemble answers; a batchSize 8
 archive gets its requests in batches.
