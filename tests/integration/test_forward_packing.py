@@ -20,6 +20,7 @@ from opentelemetry import trace
 
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
+from services.orchestrator import forward_stream
 from services.orchestrator.forward_stream import ForwardStream
 from services.orchestrator.router import StageAddress, StageRouter
 from shared import forwarding
@@ -197,5 +198,68 @@ def test_a_server_without_packs_is_still_served(server: type) -> None:
         finally:
             await router.stop()
             await grpc_server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_on_a_busy_stream_a_request_waits_for_company(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With BUSY_IN_FLIGHT requests awaiting answers, a new request waits
+    PACK_WAIT_S before it is written, and the requests that come meanwhile share
+    its message."""
+    monkeypatch.setattr(forward_stream, "PACK_WAIT_S", 0.2)
+    sizes: list[int] = []
+    read_pack = forwarding.read_pack
+
+    def recorded(data: bytes) -> forwarding.Pack:
+        pack = read_pack(data)
+        sizes.append(len(pack))
+        return pack
+
+    monkeypatch.setattr(forwarding, "read_pack", recorded)
+    held = forward_stream.BUSY_IN_FLIGHT
+
+    async def scenario() -> None:
+        release, all_held = asyncio.Event(), asyncio.Event()
+        arrived: list[str] = []
+
+        class Holding(OlderStage):
+            async def ModelInfer(self, request: Any, context: Any) -> pb.ModelInferResponse:
+                arrived.append(request.model_name)
+                if request.model_name == "hold":
+                    if arrived.count("hold") == held:
+                        all_held.set()
+                    await release.wait()
+                return pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+
+        server = grpc.aio.server()
+        stage = Holding()
+        forwarding.add_forwarding(stage.answer_forwarded, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stream = ForwardStream(channel, packed=True)
+
+                def infer(model: str, caller: str) -> asyncio.Task[bytes]:
+                    request = pb.ModelInferRequest(model_name=model).SerializeToString()
+                    return asyncio.create_task(stream.infer(request, caller))
+
+                holding = [infer("hold", f"h{i}") for i in range(held)]
+                await asyncio.wait_for(all_held.wait(), 5)
+                first = infer("m", "first")
+                await asyncio.sleep(0.05)  # within the wait: these join its message
+                others = [infer("m", f"o{i}") for i in range(2)]
+                answers = await asyncio.wait_for(asyncio.gather(first, *others), 5)
+                assert [pb.ModelInferResponse.FromString(a).id for a in answers] == [
+                    "first",
+                    "o0",
+                    "o1",
+                ]
+                release.set()
+                await asyncio.wait_for(asyncio.gather(*holding), 5)
+                stream.cancel()
+        finally:
+            await server.stop(0)
+        assert sizes == [held, 3]
 
     asyncio.run(scenario())
