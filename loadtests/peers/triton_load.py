@@ -157,6 +157,12 @@ def line(agreement: Agreement) -> str:
     )
 
 
+def _cpu_bound_ratio(item: Agreement) -> float:
+    """perf_analyzer's rate over the closed loop's if CPU alone limited both runs."""
+    loop = server_cpu_ms(item.closed) + item.closed.client_cpu_ms()
+    return loop / max(item.run.server_ms + item.run.client_ms, 1e-9)
+
+
 def table(agreements: Sequence[Agreement]) -> str:
     """Per way: the median of perf_analyzer's rate over its closed loop's, round by round,
     and what each generator and the server spent per request under each."""
@@ -178,16 +184,19 @@ def table(agreements: Sequence[Agreement]) -> str:
                 statistics.median(i.closed.client_cpu_ms() for i in items),
                 statistics.median(i.run.server_ms for i in items),
                 statistics.median(server_cpu_ms(i.closed) for i in items),
+                statistics.median(_cpu_bound_ratio(i) for i in items),
                 " ".join(f"{max(i.run.steal, steal_cores(i.closed)):.2f}" for i in items),
                 "yes" if abs(ratio - 1) <= AGREE else "no",
             ]
         )
     headers = ["way", "in flight", "perf_analyzer /s", "closed loop /s", "ratio", "by round"]
     headers += ["PA client ms", "loop client ms", "server ms (PA)", "server ms (loop)"]
-    headers += ["steal", f"within {AGREE:.0%}"]
+    headers += ["CPU-bound ratio", "steal", f"within {AGREE:.0%}"]
     note = (
         "(ratio: perf_analyzer's req/s over the closed loop's, median over rounds; by round: "
         "p = perf_analyzer ran first, c = the closed loop did; client and server: CPU ms per "
-        "request under each generator; steal: the larger of the two runs', in cores)"
+        "request under each generator; CPU-bound ratio: the ratio to expect if the machine's "
+        "CPU were all that limited both, (server + client) under the closed loop over the "
+        "same under perf_analyzer; steal: the larger of the two runs', in cores)"
     )
     return format_table(headers, rows) + "\n" + note
