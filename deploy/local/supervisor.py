@@ -131,6 +131,9 @@ def plan(
         grpc_port,
         metrics_port,
         ("--model-repository", str(repository), *endpoints),
+        # Every front door goes through it: a restart that skips the imports
+        # gives gRPC and REST back sooner.
+        standby=bool((mesh.get("supervisor") or {}).get("orchestrator_standby", False)),
     )
     edge = (
         _edge(ports, f"{host}:{orchestrator.grpc_port}", host)

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry
 from gateway.http.in_orchestrator import HttpDoor, OrchestratorHttpConfig
 from tests.conftest import DATA, build_repository
 from tests.e2e.conftest import start_mesh, stop_mesh
-from tests.harness import scrape_metrics
+from tests.harness import RUNNING, scrape_metrics
 from tests.in_process import MeshThread
 from tests.integration.test_http_rest import GEN_CONFIG, GEN_MODEL
 from tests.otlp import OtlpReceiver, Span
@@ -241,6 +241,7 @@ supervisor:
   stages:
     - { name: inference, module: services.inference.main, replicas: 1 }
   edge: true
+  orchestrator_standby: true
   trace_store: false
   jobs: { enabled: false }
 """
@@ -253,6 +254,7 @@ def test_the_local_mesh_serves_rest_from_the_orchestrator(
     config = tmp_path / "mesh.yaml"
     config.write_text(MESH % receiver.endpoint)
     proc, info = start_mesh(repo, config, ["--grace-s", "5"])
+    _, log = RUNNING[proc.pid]
     try:
         assert set(info["processes"]) == {"orchestrator", "inference-0", "envoy"}
         orchestrator = info["orchestrator"].rsplit(":", 1)[0]
@@ -288,3 +290,5 @@ def test_the_local_mesh_serves_rest_from_the_orchestrator(
     finally:
         stop_mesh(proc)
     assert proc.returncode == 0
+    # The restart was the orchestrator's standby taking over, not a fresh interpreter.
+    assert "orchestrator: the standby" in log.read_text()
