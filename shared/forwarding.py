@@ -32,6 +32,7 @@ from google.protobuf.message import DecodeError
 from inference import grpc_service_pb2 as pb
 from meshserve.v1 import forwarding_pb2
 from shared.errors import InvalidArgument, MeshError
+from shared.stream_tasks import StreamTasks
 from shared.wireformat import infer_header, repeated, repeated_field
 
 FORWARD_HEADER = "x-meshserve-forward"
@@ -152,32 +153,23 @@ async def serve_forwarded(
     When the caller goes away, this is cancelled and so is every request still
     running."""
     await context.send_initial_metadata(((FORWARD_HEADER, FORWARD_UNARY),))
-    tasks: set[asyncio.Task[None]] = set()
+    tasks = StreamTasks()
     send = AnswerPacker(context, lambda: len(tasks) > 1).send if packed else _one_at_a_time(context)
 
     async def one(request: pb.ModelInferRequest, refused: MeshError | None) -> None:
         await send(await answer(request, context, refused))
 
-    def start(request: pb.ModelInferRequest, refused: MeshError | None) -> None:
-        task = asyncio.create_task(one(request, refused))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-
     try:
         async for message in messages:
             if not packed:
-                start(message, None)
+                tasks.start(one(message, None))
                 continue
             for request in message:
-                start(request, message.refused.get(request.id) if message.refused else None)
-        while tasks:
-            await asyncio.gather(*list(tasks))
+                refused = message.refused.get(request.id) if message.refused else None
+                tasks.start(one(request, refused))
+        await tasks.finish()
     finally:
-        for task in list(tasks):
-            task.cancel()
-        if tasks:
-            # Let the cancelled requests finish their clean-up first.
-            await asyncio.wait(list(tasks), timeout=10)
+        await tasks.cancel()
 
 
 def add_forwarding(answer: Answer, server: grpc.aio.Server) -> None:

@@ -33,6 +33,7 @@ from shared.manager import ModelManager
 from shared.model import ModelVersion
 from shared.request import InferRequest, InferResponse
 from shared.statistics import Duration, ModelStats
+from shared.stream_tasks import StreamTasks
 from shared.tensors import decode_inputs, encode_outputs, parameters_to_dict, set_parameter
 
 log = logging.getLogger(__name__)
@@ -252,7 +253,7 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
             await serve_forwarded(self.answer_forwarded, request_iterator, context, packed=False)
             return
         writing = asyncio.Lock()  # one message at a time on the call
-        tasks: set[asyncio.Task[None]] = set()
+        tasks = StreamTasks()
 
         async def send(message: pb.ModelStreamInferResponse) -> None:
             async with writing:
@@ -273,17 +274,10 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         try:
             async for request in request_iterator:
-                task = asyncio.create_task(one(request))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            while tasks:
-                await asyncio.gather(*list(tasks))
+                tasks.start(one(request))
+            await tasks.finish()
         finally:
-            for task in list(tasks):
-                task.cancel()
-            if tasks:
-                # Let the cancelled requests finish their clean-up (an engine abort) first.
-                await asyncio.wait(list(tasks), timeout=10)
+            await tasks.cancel()
 
     async def answer_forwarded(
         self,

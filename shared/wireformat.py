@@ -125,7 +125,8 @@ def infer_header(data: bytes) -> InferHeader:
         raise WireError(f"a string field is not UTF-8: {exc}") from None
 
 
-def _encode_varint(value: int) -> bytes:
+def encode_varint(value: int) -> bytes:
+    """``value`` as a protobuf varint."""
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
@@ -135,7 +136,7 @@ def _encode_varint(value: int) -> bytes:
 
 
 def _length_delimited(number: int, payload: bytes) -> bytes:
-    return _encode_varint(number << 3 | _LENGTH_DELIMITED) + _encode_varint(len(payload)) + payload
+    return encode_varint(number << 3 | _LENGTH_DELIMITED) + encode_varint(len(payload)) + payload
 
 
 def string_field(number: int, value: str) -> bytes:

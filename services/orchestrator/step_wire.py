@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError
 from inference import grpc_service_pb2 as pb
 from services.orchestrator.ensemble import Step, WireTensor
 from shared.errors import MeshError
+from shared.wireformat import encode_varint
 
 _LENGTH_DELIMITED, _VARINT = 2, 0
 _FIXED = {1: 8, 5: 4}
@@ -33,15 +34,6 @@ _RAW_INPUT = 7
 _OUTPUTS, _RAW_OUTPUT = 5, 6
 """ModelInferResponse.outputs and .raw_output_contents."""
 _RAW_INPUT_TAG = bytes([_RAW_INPUT << 3 | _LENGTH_DELIMITED])
-
-
-def _varint_bytes(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def request_bytes(
@@ -61,7 +53,7 @@ def request_bytes(
         head.parameters[key].CopyFrom(value)
     parts: list[bytes | memoryview] = [head.SerializeToString()]
     for tensor in inputs.values():
-        parts += (_RAW_INPUT_TAG, _varint_bytes(len(tensor.raw)), tensor.raw)
+        parts += (_RAW_INPUT_TAG, encode_varint(len(tensor.raw)), tensor.raw)
     return b"".join(parts)
 
 
