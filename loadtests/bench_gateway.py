@@ -12,7 +12,10 @@ one row (one stage, no ensemble: the edge's share is largest). It is sent as:
 - ``json envoy``   meshserve.v1 JSON (POST /api/v1/embed ``{"texts": [...]}``, or
                    /api/v1/models/mlp/infer): Envoy transcodes it to gRPC on the orchestrator;
 - ``v2rest envoy`` POST /v2/models/<model>/infer (KServe v2 REST JSON): Envoy ->
-                   HTTP adapter (aiohttp) -> orchestrator over gRPC.
+                   the HTTP front door, inside the orchestrator by default (the
+                   ``adapter`` column then reads 0; with ``supervisor.http_front_door:
+                   process`` the HTTP adapter process, which calls the orchestrator
+                   over gRPC).
 
 In order: the mesh starts (``deploy.local.supervisor --ports auto``, the default
 mesh YAML; Envoy's access log is off unless ``--access-log``); each way's
@@ -22,8 +25,8 @@ worker) at each in-flight level, warmed up before a measured window, in
 ``--rounds`` interleaved rounds of which the fastest run of each way and level
 is reported (a neighbour on a shared box only ever slows a run down). CPU per
 request comes from /proc/<pid>/stat of Envoy (the ``envoy`` child of
-gateway.envoy.main), the adapter, the orchestrator, the stages, the supervisor
-(it relays every access-log line) and this process. Ratios are against
+gateway.envoy.main), the adapter (when it is a process), the orchestrator, the
+stages, the supervisor (it relays every access-log line) and this process. Ratios are against
 ``grpc direct`` at the same in-flight level. The mesh is stopped by PID on exit,
 error or Ctrl-C.
 """
@@ -380,7 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = asyncio.run(run_all(info, settings))
     print()
     print(results_table(results))
-    print("(CPU: ms per request; edge = envoy + adapter + orch; stages = tokenizer + inference")
+    print("(CPU: ms per request; edge = envoy + adapter + orch, the adapter 0 when the")
+    print(" orchestrator serves REST, as by default; stages = tokenizer + inference")
     print(" + postprocess; others = cores used meanwhile by processes outside the measurement)")
     print()
     print(ratio_table(results))

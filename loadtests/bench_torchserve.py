@@ -13,12 +13,13 @@ POSTs to ``/predictions/<model>``, one keep-alive connection per worker):
                   skipped with a message where ``java`` is missing);
 - ``mesh``        the default local mesh (supervisor, ``--ports auto``) with
                   the archive imported into an otherwise empty repository,
-                  through Envoy -> HTTP adapter -> orchestrator -> inference.
+                  through Envoy -> orchestrator (its HTTP front door) -> inference.
 
 Server CPU per request counts every process of each server: TorchServe's
-launcher, Java and its workers; every mesh process (Envoy, adapter,
-orchestrator, stages, supervisor, job queue, trace store), and apart ("on
-path") the mesh's processes a prediction passes through (Envoy, adapter,
+launcher, Java and its workers; every mesh process (Envoy, orchestrator,
+stages, supervisor, job queue, trace store; the HTTP adapter too with
+``http_front_door: process``), and apart ("on path") the mesh's processes a
+prediction passes through (Envoy, the adapter if it is a process,
 orchestrator, inference). Rounds are interleaved and the fastest run of each
 is kept (a neighbour on a shared box only slows a run down).
 Ratios are mesh / torchserve.
