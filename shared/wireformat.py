@@ -38,7 +38,7 @@ class InferHeader:
     id: str
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
+def read_varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
     """The varint at ``pos`` and the position after it."""
     result = shift = 0
     size = len(data)
@@ -63,12 +63,12 @@ def _strings(data: bytes, wanted: tuple[int, ...]) -> dict[int, bytes]:
     found: dict[int, bytes] = {}
     pos, size = 0, len(data)
     while pos < size:
-        tag, pos = _varint(data, pos)
+        tag, pos = read_varint(data, pos)
         number, kind = tag >> 3, tag & 7
         if number == 0:
             raise WireError("field number 0")
         if kind == _LENGTH_DELIMITED:
-            length, pos = _varint(data, pos)
+            length, pos = read_varint(data, pos)
             end = pos + length
             if end > size:
                 raise WireError(f"field {number} runs past the end of the message")
@@ -76,7 +76,7 @@ def _strings(data: bytes, wanted: tuple[int, ...]) -> dict[int, bytes]:
                 found[number] = data[pos:end]
             pos = end
         elif kind == _VARINT:
-            _, pos = _varint(data, pos)
+            _, pos = read_varint(data, pos)
         elif kind in _FIXED:
             pos += _FIXED[kind]
             if pos > size:
@@ -94,10 +94,10 @@ def repeated_field(data: bytes, number: int) -> list[bytes]:
     pos, size = 0, len(data)
     tag = number << 3 | _LENGTH_DELIMITED
     while pos < size:
-        found, pos = _varint(data, pos)
+        found, pos = read_varint(data, pos)
         if found != tag:
             raise WireError(f"unexpected field {found >> 3} (wire type {found & 7})")
-        length, pos = _varint(data, pos)
+        length, pos = read_varint(data, pos)
         end = pos + length
         if end > size:
             raise WireError(f"field {number} runs past the end of the message")

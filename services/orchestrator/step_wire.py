@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError
 from inference import grpc_service_pb2 as pb
 from services.orchestrator.ensemble import Step, WireTensor
 from shared.errors import MeshError
-from shared.wireformat import encode_varint
+from shared.wireformat import encode_varint, read_varint
 
 _LENGTH_DELIMITED, _VARINT = 2, 0
 _FIXED = {1: 8, 5: 4}
@@ -67,10 +67,10 @@ def answer_tensors(model: str, answer: bytes) -> dict[str, WireTensor]:
     pos, size = 0, len(data)
     try:
         while pos < size:
-            tag, pos = _varint(data, pos)
+            tag, pos = read_varint(data, pos)
             number, kind = tag >> 3, tag & 7
             if kind == _LENGTH_DELIMITED:
-                length, pos = _varint(data, pos)
+                length, pos = read_varint(data, pos)
                 end = pos + length
                 if end > size:
                     raise ValueError("a field runs past the end")
@@ -80,7 +80,7 @@ def answer_tensors(model: str, answer: bytes) -> dict[str, WireTensor]:
                     raws.append(data[pos:end])
                 pos = end
             elif kind == _VARINT:
-                _, pos = _varint(data, pos)
+                _, pos = read_varint(data, pos)
             elif kind in _FIXED:
                 pos += _FIXED[kind]
             else:
@@ -103,16 +103,3 @@ def _output_head(data: bytes) -> pb.ModelInferResponse.InferOutputTensor:
         pb.ModelInferResponse.InferOutputTensor.FromString(data)
     )
     return head
-
-
-def _varint(data: memoryview, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        byte = data[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, pos
-        shift += 7
-        if shift >= 64:
-            raise ValueError("malformed varint")
