@@ -135,7 +135,9 @@ class AnswerPacker:
             self._writing = False
 
 
-def _one_at_a_time(context: Any) -> Callable[[pb.ModelStreamInferResponse], Awaitable[None]]:
+def one_at_a_time(context: Any) -> Callable[[pb.ModelStreamInferResponse], Awaitable[None]]:
+    """A writer of stream messages on ``context`` that lets one write at a time
+    reach the call (concurrent writes on a grpc.aio call are refused)."""
     writing = asyncio.Lock()  # one message at a time on the call
 
     async def send(answer: pb.ModelStreamInferResponse) -> None:
@@ -154,7 +156,7 @@ async def serve_forwarded(
     running."""
     await context.send_initial_metadata(((FORWARD_HEADER, FORWARD_UNARY),))
     tasks = StreamTasks()
-    send = AnswerPacker(context, lambda: len(tasks) > 1).send if packed else _one_at_a_time(context)
+    send = AnswerPacker(context, lambda: len(tasks) > 1).send if packed else one_at_a_time(context)
 
     async def one(request: pb.ModelInferRequest, refused: MeshError | None) -> None:
         await send(await answer(request, context, refused))

@@ -7,7 +7,6 @@ version, and turns the result back into a proto. Errors are raised as
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -28,7 +27,13 @@ from shared.errors import (
     Unimplemented,
     error_for_status,
 )
-from shared.forwarding import FORWARD_HEADER, FORWARD_UNARY, add_forwarding, serve_forwarded
+from shared.forwarding import (
+    FORWARD_HEADER,
+    FORWARD_UNARY,
+    add_forwarding,
+    one_at_a_time,
+    serve_forwarded,
+)
 from shared.manager import ModelManager
 from shared.model import ModelVersion
 from shared.request import InferRequest, InferResponse
@@ -252,12 +257,8 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
         if _forwarded_stream(context):
             await serve_forwarded(self.answer_forwarded, request_iterator, context, packed=False)
             return
-        writing = asyncio.Lock()  # one message at a time on the call
+        send = one_at_a_time(context)
         tasks = StreamTasks()
-
-        async def send(message: pb.ModelStreamInferResponse) -> None:
-            async with writing:
-                await context.write(message)
 
         async def one(request: pb.ModelInferRequest) -> None:
             answers = self.stream_responses(request, context)
