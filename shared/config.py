@@ -38,6 +38,9 @@ class ServiceConfig(BaseModel):
     """gRPC port; 0 picks a free one (printed on start)."""
     metrics_port: int = Field(-1, ge=-1, le=65535)
     """Prometheus /metrics port; 0 picks a free one, -1 turns it off."""
+    wire_port: int = Field(-1, ge=-1, le=65535)
+    """Port of the wire door (shared/wire_door.py): the unary methods a service offers
+    there, over HTTP/1.1 for Envoy's gRPC reverse bridge; 0 picks a free one, -1: off."""
     max_message_bytes: int = Field(64 * 1024 * 1024, ge=4 * 1024 * 1024, le=2**31 - 1)
     """Largest gRPC message sent or received."""
     grace_period_s: float = Field(10.0, ge=0.0, le=600.0)

@@ -338,7 +338,7 @@ class TracingInterceptor(_HandlerWrapper):
         _label(span, request)
         token = otel_context.attach(trace.set_span_in_context(span))
         try:
-            with _recorded(span):
+            with recorded(span):
                 yield request
         finally:
             otel_context.detach(token)
@@ -351,7 +351,7 @@ class TracingInterceptor(_HandlerWrapper):
         ) -> AsyncIterator[Any]:
             span = self._start(method, parent, context)
             _label(span, request)
-            with _recorded(span):
+            with recorded(span):
                 async with contextlib.aclosing(behavior(request, context)) as items:
                     async for item in iterate_in_context(trace.set_span_in_context(span), items):
                         yield item
@@ -519,7 +519,7 @@ def _label(span: trace.Span, request: Any) -> None:
 
 
 @contextlib.contextmanager
-def _recorded(span: trace.Span) -> Iterator[trace.Span]:
+def recorded(span: trace.Span) -> Iterator[trace.Span]:
     """Ends ``span``, recording the exception that ends the call, if any."""
     try:
         yield span
@@ -577,21 +577,23 @@ class DrainGate(_HandlerWrapper):
 
         # A coroutine (every unary RPC): a plain try, as in ErrorInterceptor.
         async def admitted(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            self._admit()
+            self.admit()
             try:
                 return await behavior(request, context)
             finally:
-                self._release()
+                self.release()
 
         return admitted
 
-    def _admit(self) -> None:
+    def admit(self) -> None:
+        """Count a call in (UNAVAILABLE once closed): the wire door's calls come here too."""
         if self.draining:
             raise Unavailable("server is shutting down; retry on another replica")
         self.in_flight += 1
         self._idle.clear()
 
-    def _release(self) -> None:
+    def release(self) -> None:
+        """Count an admitted call out."""
         self.in_flight -= 1
         if self.in_flight == 0:
             self._idle.set()
@@ -600,11 +602,11 @@ class DrainGate(_HandlerWrapper):
     async def _admitted(
         self, request: Any, _: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Any]:
-        self._admit()
+        self.admit()
         try:
             yield request
         finally:
-            self._release()
+            self.release()
 
     @contextlib.asynccontextmanager
     async def _first_request(
@@ -614,14 +616,14 @@ class DrainGate(_HandlerWrapper):
 
         def see(_: Any) -> None:
             if not admitted:
-                self._admit()
+                self.admit()
                 admitted.append(True)
 
         try:
             yield _SeenRequests(requests, see)
         finally:
             if admitted:
-                self._release()
+                self.release()
 
 
 class _ClientBase:

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from shared.interceptors import DrainGate, ErrorInterceptor, TracingInterceptor
 from shared.metrics_http import start_metrics_server
 from shared.mtls import MeshTls
 from shared.tracing import make_tracer_provider, tracer_for
+from shared.wire_door import WireDoor, WireHandler
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class ServiceParts:
     """Prometheus registry served on /metrics."""
     tracer_provider: TracerProvider | None = None
     """Set when the service's own code makes spans (else the server makes one)."""
+    wire_handlers: Mapping[str, WireHandler] = field(default_factory=dict)
+    """Unary methods (by path) also served on the wire door, when ``wire_port`` is set."""
 
 
 class MeshServer:
@@ -95,6 +98,9 @@ class MeshServer:
         self.metrics_port = 0
         self._server: grpc.aio.Server | None = None
         self._metrics_httpd: Any = None
+        self.wire: WireDoor | None = None
+        self.wire_address: str | None = None
+        """``host:port`` of the wire door (None: off)."""
         self._stopped = asyncio.Event()
 
     @property
@@ -144,10 +150,25 @@ class MeshServer:
                 self.config.host, self.config.metrics_port, self.parts.registry
             )
             self.metrics_port = self._metrics_httpd.server_address[1]
+        if self.config.wire_port >= 0 and self.parts.wire_handlers:
+            await self._open_wire()
         for hook in self.parts.on_start:
             await hook()
         for name in ["", *self.parts.service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def _open_wire(self) -> None:
+        """The wire door beside the gRPC port: the same drain gate, TLS and limit."""
+        config = self.config
+        self.wire = WireDoor(
+            self.parts.wire_handlers,
+            tracer_for(self.tracer_provider, "meshserve.server"),
+            config.max_message_bytes,
+            self.gate,
+        )
+        tls = MeshTls.from_config(config)
+        context = tls.server_ssl_context() if tls is not None else None
+        self.wire_address = await self.wire.start(config.host, config.wire_port, context)
 
     def _bind(self, server: grpc.aio.Server) -> int:
         """The port, TLS with client certificates when mutual TLS is configured; the
@@ -176,6 +197,8 @@ class MeshServer:
         # Whatever still runs once the counted RPCs are done was never counted
         # and needs no grace; past the deadline the server cancels the rest.
         await self._server.stop(min(FLUSH_GRACE_S, max(0.0, deadline - loop.time())))
+        if self.wire is not None:
+            self.wire.close()
         for hook in self.parts.on_stop:
             try:
                 await hook()

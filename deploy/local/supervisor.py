@@ -56,6 +56,7 @@ from deploy.local.service_process import ManagedProcess, ProcessSpec, log
 from deploy.local.supervisor_metrics import metrics_port, serve_metrics, stop_metrics
 from deploy.local.torchserve_edge import torchserve_edge
 from deploy.local.trace_store import plan_traces, route_edge
+from deploy.local.wire import open_wire, wire_listeners
 from shared.engine_cores import ENGINE_CORES_ENV, engine_cores, format_cores
 
 MESH_READY_MARKER = "MESHSERVE_MESH_READY"
@@ -140,6 +141,10 @@ def plan(
         if ((mesh.get("supervisor") or {}).get("edge", False))
         else []
     )
+    # The orchestrator reads its wire_port from the YAML too: the flag always wins.
+    wire = int((services.get("orchestrator") or {}).get("wire_port", 0)) if edge else -1
+    wire = fresh_port() if wire == 0 or (wire > 0 and auto_ports) else wire
+    orchestrator, edge = open_wire(orchestrator, edge, host, wire)
     orchestrator, edge = place_front_door(mesh, orchestrator, edge)
     return stages, orchestrator, edge
 
@@ -157,6 +162,7 @@ def listeners(specs: Sequence[ProcessSpec]) -> list[Listener]:
         found += [Listener(spec.name, role, spec.grpc_port)]
         found += [Listener(spec.name, "metrics", spec.metrics_port)]
         found += front_door_listeners(spec)
+        found += wire_listeners(spec)
     return found
 
 

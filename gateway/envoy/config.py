@@ -25,6 +25,8 @@ from gateway.envoy.access import JwtAuth, RateLimit, access_filters, route_rate_
 from gateway.envoy.cors import cors_filters, cors_policy
 from gateway.envoy.tracing import span_flush_runtime
 from gateway.envoy.upstream_tls import UpstreamTls, secure
+from gateway.envoy.wire import CLUSTER as WIRE_CLUSTER
+from gateway.envoy.wire import wire_filters, wire_route
 
 __all__ = ["EdgeSettings", "JwtAuth", "Limits", "RateLimit", "build_config"]
 
@@ -68,6 +70,9 @@ class EdgeSettings:
     """FileDescriptorSet of meshserve.v1 (see descriptors.py)."""
     shutdown_flag: Path
     """File main.py writes 1 into at shutdown: Envoy then answers new requests 503."""
+    orchestrator_wire: str | None = None
+    """host:port of the orchestrator's wire door (wire.py): unary ModelInfer goes
+    there over HTTP/1.1; none: to the gRPC port like every other call."""
     max_request_bytes: int = 16 * 1024 * 1024
     request_timeout_s: float = 60.0
     auth: JwtAuth | None = None
@@ -147,23 +152,23 @@ def _routes(settings: EdgeSettings) -> list[dict[str, Any]]:
         }
     }
     timeout = f"{settings.request_timeout_s:g}s"
-    routes: list[dict[str, Any]] = [
-        {
-            "name": "grpc",
-            "match": {
-                "prefix": "/",
-                "headers": [
-                    {"name": "content-type", "string_match": {"prefix": "application/grpc"}}
-                ],
-            },
-            # Streams have no overall timeout; gRPC callers bound calls with grpc-timeout.
-            "route": {
-                "cluster": "orchestrator",
-                "timeout": "0s",
-                "max_stream_duration": {"grpc_timeout_header_max": "0s"},
-            },
-            "typed_per_filter_config": no_buffer,
+    grpc_route = {
+        "name": "grpc",
+        "match": {
+            "prefix": "/",
+            "headers": [{"name": "content-type", "string_match": {"prefix": "application/grpc"}}],
         },
+        # Streams have no overall timeout; gRPC callers bound calls with grpc-timeout.
+        "route": {
+            "cluster": "orchestrator",
+            "timeout": "0s",
+            "max_stream_duration": {"grpc_timeout_header_max": "0s"},
+        },
+        "typed_per_filter_config": no_buffer,
+    }
+    routes: list[dict[str, Any]] = [
+        *([wire_route(grpc_route)] if settings.orchestrator_wire else []),
+        grpc_route,
         # Token streams may run long: no overall timeout for generate and chat.
         {
             "name": "api_streams",
@@ -290,6 +295,7 @@ def _http_filters(settings: EdgeSettings) -> list[dict[str, Any]]:
                 "query_param_unescape_plus": True,
             },
         },
+        *(wire_filters() if settings.orchestrator_wire else []),
         {
             "name": "envoy.filters.http.router",
             "typed_config": {"@type": f"{_TYPES}.filters.http.router.v3.Router"},
@@ -424,6 +430,10 @@ def build_config(settings: EdgeSettings) -> dict[str, Any]:
         ),
         *settings.extra_clusters,
     ]
+    if settings.orchestrator_wire:
+        clusters.append(
+            _cluster(WIRE_CLUSTER, settings.orchestrator_wire, http2=False, health=None)
+        )
     if settings.otlp_endpoint:
         clusters.append(_cluster("otlp", settings.otlp_endpoint, http2=True, health=None))
     if settings.trace_store:

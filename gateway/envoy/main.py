@@ -47,6 +47,9 @@ class EdgeConfig(ServiceConfig):
     """The edge port: HTTP/JSON, gRPC and grpc-web on one listener."""
     orchestrator: str = "127.0.0.1:8001"
     """host:port of the orchestrator."""
+    orchestrator_wire: str | None = None
+    """host:port of the orchestrator's wire door: unary ModelInfer goes there over
+    HTTP/1.1 (gateway/envoy/wire.py); none: over gRPC like every other call."""
     http_adapter: str = "127.0.0.1:8007"
     """host:port of the HTTP adapter."""
     max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=2**31 - 1)
@@ -134,6 +137,7 @@ def settings_from(config: EdgeConfig, workdir: Path) -> EdgeSettings:
         listen_port=config.grpc_port,
         admin_socket=config.admin_socket or workdir / "admin.sock",
         orchestrator=config.orchestrator,
+        orchestrator_wire=config.orchestrator_wire,
         http_adapter=config.http_adapter,
         descriptor_set=write_mesh_descriptor_set(workdir / "meshserve.pb"),
         shutdown_flag=workdir / "shutting-down",

@@ -16,7 +16,7 @@ from typing import Any
 
 _TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3"
 
-SECURED = {"orchestrator": "h2", "http_adapter": "http/1.1"}
+SECURED = {"orchestrator": "h2", "orchestrator_wire": "http/1.1", "http_adapter": "http/1.1"}
 """The mesh's own upstream clusters, with the protocol each speaks."""
 
 

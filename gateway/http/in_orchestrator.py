@@ -113,6 +113,8 @@ def _announce(server: MeshServer, http: str) -> None:
         "http": http,
         "metrics_port": server.metrics_port if server.config.metrics_port >= 0 else None,
     }
+    if server.wire_address is not None:
+        info["wire"] = server.wire_address
     print(f"{READY_MARKER} {json.dumps(info)}", flush=True)
 
 

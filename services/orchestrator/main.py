@@ -20,7 +20,7 @@ from services.orchestrator.ensembles import EnsembleRegistry
 from services.orchestrator.mesh_api import MESH_SERVICE_NAME, MeshApiServicer, add_mesh_api
 from services.orchestrator.route_api import ROUTE_SERVICE_NAME, RouteApiServicer, add_route_api
 from services.orchestrator.route_table import RouteTable
-from services.orchestrator.router import Discovery, StageAddress, StageRouter
+from services.orchestrator.router import INFER_METHOD, Discovery, StageAddress, StageRouter
 from services.orchestrator.routes import load_routes
 from services.orchestrator.servicer import OrchestratorServicer, add_orchestrator
 from shared.config import ServiceConfig, load_config
@@ -91,8 +91,9 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
     ensembles = EnsembleRegistry(repository, router.model_config, Metrics(parts.registry))
     routes = RouteTable(load_routes(config.model_repository), parts.registry)
     core = Orchestrator(router, ensembles, tracer, routes)
+    servicer = OrchestratorServicer(core)
     parts.servicers = [
-        (add_orchestrator, OrchestratorServicer(core)),
+        (add_orchestrator, servicer),
         (add_mesh_api, MeshApiServicer(core)),
         (add_route_api, RouteApiServicer(core)),
     ]
@@ -102,6 +103,8 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
         await ensembles.load_all()
         router.on_change = ensembles.retry_failed
 
+    # Envoy's edge sends unary ModelInfer here over HTTP/1.1 (gateway/envoy/wire.py).
+    parts.wire_handlers = {INFER_METHOD: servicer.forward_infer}
     parts.on_start = [start]
     parts.on_stop = [routes.close, router.stop]
     add_job_api(parts)  # batch jobs' meshserve.v1 API, when a job queue is configured
