@@ -53,6 +53,8 @@ STATUS_HEADER = "x-grpc-status"
 MESSAGE_HEADER = "x-grpc-message"
 MAX_PIPELINED = 8
 """Requests one connection may have waiting behind the one being answered."""
+_UNESCAPED = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
+"""What grpc-message carries as it is (gRPC's percent-encoding: printable ASCII but %)."""
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 
 WireHandler = Callable[[bytes, "WireContext"], Awaitable[bytes]]
@@ -106,7 +108,7 @@ def _answer(code: int, body: bytes, headers: Iterable[tuple[str, str]], message:
         b"x-grpc-status: %d\r\n" % code,
     ]
     if message:
-        quoted = urllib.parse.quote(bounded(message), safe=" !#$&'()*+,/:;=?@[]")
+        quoted = urllib.parse.quote(bounded(message), safe=_UNESCAPED)
         lines.append(f"{MESSAGE_HEADER}: {quoted}\r\n".encode("latin-1"))
     for key, value in headers:
         if "\r" not in value and "\n" not in value:
