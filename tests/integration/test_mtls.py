@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
 from deploy.local.certs import MeshCertificates, make_certificates, write_ca, write_leaf
@@ -108,9 +109,24 @@ def test_a_request_through_the_edge_crosses_every_hop_over_mutual_tls(
         outputs = {o["name"]: o["data"] for o in json.load(reply)["outputs"]}
     assert outputs["OUTPUT0"] == [2, 3, 4, 5]
     assert outputs["OUTPUT1"] == [0, 1, 2, 3]
-    # Native gRPC through Envoy reaches the orchestrator over TLS too.
+    # Native gRPC through Envoy reaches the orchestrator over TLS too: its gRPC
+    # port, and its wire door for ModelInfer.
     with grpc.insecure_channel(edge) as channel:
         assert _ready(channel)
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+        request = pb.ModelInferRequest(model_name="add_sub")
+        for tensor in ADD_SUB["inputs"]:
+            request.inputs.add(name=tensor["name"], datatype="FP32", shape=[1, 4])
+            request.inputs[-1].contents.fp32_contents.extend(tensor["data"])
+        reply, call = stub.ModelInfer.with_call(request, timeout=20)
+    first = reply.outputs[0]
+    sums = (
+        np.frombuffer(reply.raw_output_contents[0], np.float32).tolist()
+        if reply.raw_output_contents
+        else list(first.contents.fp32_contents)
+    )
+    assert (first.name, sums) == ("OUTPUT0", [2, 3, 4, 5])
+    assert "x-grpc-status" in {m.key for m in call.initial_metadata()}
 
 
 @pytest.mark.parametrize("target", ["orchestrator", "inference"])

@@ -269,7 +269,10 @@ def test_ports_probes_and_services_agree_with_config(
             s for s in services.values() if s["spec"].get("selector") == pod_labels(deployment)
         ]
         for port in service["spec"]["ports"]:
-            assert port_number(container, port["targetPort"]) == serving, service["metadata"]
+            # The orchestrator's wire door (Envoy's ModelInfer) is its second port.
+            wire = port["targetPort"] == "wire"
+            expected = config.wire_port if wire else serving
+            assert port_number(container, port["targetPort"]) == expected, service["metadata"]
         if name in STAGES:
             assert service["spec"]["clusterIP"] == "None", f"{name}: headless"
             assert config.model_repository is not None
@@ -325,6 +328,8 @@ def test_addresses_name_services_that_exist(rendered: list[dict[str, Any]], tmp_
     edge = configs["envoy"]
     assert isinstance(edge, EdgeConfig)
     assert target(edge.orchestrator) == "orchestrator"
+    assert target(str(edge.orchestrator_wire)) == "orchestrator"
+    assert str(edge.orchestrator_wire).endswith(f":{orchestrator.wire_port}")
     assert target(edge.http_adapter) == "http-adapter"
 
 
