@@ -83,7 +83,13 @@ def wire_route(grpc_route: dict[str, Any]) -> dict[str, Any]:
     # The bridge sets the content type it sends upstream and then routes again:
     # the route must match both.
     content_type = {"safe_regex": {"regex": f"application/grpc(\\+proto)?|{CONTENT_TYPE}"}}
-    match = {"path": PATH, "headers": [{"name": "content-type", "string_match": content_type}]}
+    # A compressed message keeps the gRPC port: the bridge drops the frame's
+    # compressed flag with the frame.
+    plain = {"name": "grpc-encoding", "present_match": True, "invert_match": True}
+    match = {
+        "path": PATH,
+        "headers": [{"name": "content-type", "string_match": content_type}, plain],
+    }
     return {
         **grpc_route,  # its name too: one rate-limit bucket for a caller's gRPC calls
         "match": match,

@@ -239,6 +239,15 @@ def test_envoy_answers_as_the_grpc_port(mesh: dict[str, Any], body: bytes) -> No
         assert details and len(details) < 1200
 
 
+def test_a_compressed_request_keeps_the_grpc_port(mesh: dict[str, Any]) -> None:
+    edge = mesh["processes"]["envoy"]["grpc"]
+    with grpc.insecure_channel(edge, compression=grpc.Compression.Gzip) as channel:
+        answer, call = channel.unary_unary(INFER).with_call(_add_sub(), timeout=30)
+    reply = pb.ModelInferResponse.FromString(answer)
+    assert np.frombuffer(reply.raw_output_contents[0], np.float32).tolist() == [0, 2, 4, 6]
+    assert "x-grpc-status" not in {m.key for m in call.initial_metadata()}
+
+
 def test_streams_keep_the_grpc_port(mesh: dict[str, Any]) -> None:
     edge = mesh["processes"]["envoy"]["grpc"]
     with grpc.insecure_channel(edge) as channel:
