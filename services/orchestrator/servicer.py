@@ -88,7 +88,8 @@ class OrchestratorServicer(BaseServicer):
 
     async def forward_infer(self, request: bytes, context: Context[bytes, bytes]) -> bytes:
         """ModelInfer on the serialised request: forwarded to the stage as it is
-        when its model is a stage's, else decoded and answered by ``ModelInfer``."""
+        when its model is a stage's, else decoded and answered by ``ModelInfer``.
+        The wire door (shared/wire_door.py) calls it too, with a ``WireContext``."""
         try:
             header = infer_header(request)
         except WireError:
