@@ -24,6 +24,21 @@ from tests.e2e.small_mesh import OtlpRelay, start_small_mesh
 from tests.harness import ROOT, RUNNING, log_tail, new_log
 from tests.otlp import OtlpReceiver
 
+EDGE_MESH = """
+defaults: { host: 127.0.0.1, grace_period_s: 1 }
+services: {}
+supervisor:
+  stages:
+    - { name: inference, module: services.inference.main, replicas: 1 }
+  edge: true
+  trace_store: false
+  jobs: { enabled: false }
+  restart_backoff_s: [0.2, 2.0]
+  cpu_placement: off
+"""
+"""The smallest mesh with an edge: one inference stage, the orchestrator, Envoy
+(start_mesh with a repository of the test's models)."""
+
 
 @pytest.fixture(scope="session")
 def otlp() -> Iterator[OtlpReceiver]:

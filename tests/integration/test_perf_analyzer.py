@@ -19,22 +19,10 @@ import pytest
 
 from tests import perf_analyzer
 from tests.conftest import cache_dir
-from tests.e2e.conftest import start_mesh, stop_mesh
+from tests.e2e.conftest import EDGE_MESH, start_mesh, stop_mesh
 from tests.harness import ROOT
 
 EXAMPLES = ROOT / "tests" / "data" / "python_examples"
-MESH = """
-defaults: { host: 127.0.0.1, grace_period_s: 1 }
-services: {}
-supervisor:
-  stages:
-    - { name: inference, module: services.inference.main, replicas: 1 }
-  edge: true
-  trace_store: false
-  jobs: { enabled: false }
-  restart_backoff_s: [0.2, 2.0]
-  cpu_placement: off
-"""
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +34,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     for model in ("add_sub", "square_int32"):
         shutil.copytree(EXAMPLES / model, folder / "models" / model)
     config = folder / "mesh.yaml"
-    config.write_text(MESH)
+    config.write_text(EDGE_MESH)
     proc, info = start_mesh(folder / "models", config, ["--grace-s", "1"])
     yield {**info, "folder": folder}
     stop_mesh(proc)

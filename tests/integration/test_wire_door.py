@@ -24,7 +24,7 @@ from inference import grpc_service_pb2 as pb
 from shared.errors import InvalidArgument
 from shared.interceptors import DrainGate
 from shared.wire_door import WireContext, WireDoor, grpc_timeout
-from tests.e2e.conftest import start_mesh, stop_mesh
+from tests.e2e.conftest import EDGE_MESH, start_mesh, stop_mesh
 from tests.harness import ROOT
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -172,25 +172,13 @@ def test_grpc_timeout_units() -> None:
 
 # ---------------------------------------------------------- through Envoy
 
-MESH = """
-defaults: { host: 127.0.0.1, grace_period_s: 1 }
-services: {}
-supervisor:
-  stages:
-    - { name: inference, module: services.inference.main, replicas: 1 }
-  edge: true
-  trace_store: false
-  jobs: { enabled: false }
-  cpu_placement: off
-"""
-
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     folder = tmp_path_factory.mktemp("wire")
     shutil.copytree(ROOT / "tests" / "data" / "python_examples" / "add_sub", folder / "add_sub")
     config = folder / "mesh.yaml"
-    config.write_text(MESH)
+    config.write_text(EDGE_MESH)
     proc, info = start_mesh(folder, config, ["--grace-s", "1"])
     yield info
     stop_mesh(proc)
