@@ -215,8 +215,8 @@ class _Connection(asyncio.Protocol):
         finally:
             self._task = None
 
-    def close_if_idle(self) -> None:
-        if self._task is None and self._transport is not None:
+    def close(self) -> None:
+        if self._transport is not None:
             self._transport.close()
 
 
@@ -249,11 +249,13 @@ class WireDoor:
         return f"{host}:{bound}"
 
     def close(self) -> None:
-        """Stop listening and close the idle connections (after the gate's drain)."""
+        """Stop listening and close every connection: called once the drain gate is
+        idle or its grace is over, when the gRPC server cancels what still runs
+        too (a call still running here is cancelled with its connection)."""
         if self._server is not None:
             self._server.close()
         for connection in list(self.connections):
-            connection.close_if_idle()
+            connection.close()
 
     async def answer(self, request: _Request) -> bytes:
         """The whole HTTP answer to one request."""

@@ -46,7 +46,7 @@ async def _echo(body: bytes, context: WireContext) -> bytes:
     return body + (b"" if remaining is None else b" deadline")
 
 
-Scenario = Callable[[DrainGate, str], Awaitable[None]]
+Scenario = Callable[[WireDoor, DrainGate, str], Awaitable[None]]
 
 
 def _with_door(scenario: Scenario) -> None:
@@ -57,7 +57,7 @@ def _with_door(scenario: Scenario) -> None:
         served = WireDoor({INFER: _echo}, trace.NoOpTracer(), 1024, gate)
         address = await served.start("127.0.0.1", 0)
         try:
-            await asyncio.wait_for(scenario(gate, address), 30)
+            await asyncio.wait_for(scenario(served, gate, address), 30)
         finally:
             served.close()
 
@@ -91,7 +91,7 @@ def test_statuses_travel_in_headers() -> None:
     _with_door(_statuses)
 
 
-async def _statuses(_: DrainGate, address: str) -> None:
+async def _statuses(_: WireDoor, __: DrainGate, address: str) -> None:
     sent = b"".join(
         [
             _request(b"hello"),
@@ -121,7 +121,7 @@ def test_a_deadline_ends_the_call() -> None:
     _with_door(_deadline)
 
 
-async def _deadline(_: DrainGate, address: str) -> None:
+async def _deadline(_: WireDoor, __: DrainGate, address: str) -> None:
     [(headers, body)] = await _answers(
         address, _request(b"sleep5", headers="grpc-timeout: 100m\r\n"), 1
     )
@@ -132,7 +132,7 @@ def test_malformed_http_is_refused_and_closed() -> None:
     _with_door(_malformed)
 
 
-async def _malformed(_: DrainGate, address: str) -> None:
+async def _malformed(_: WireDoor, __: DrainGate, address: str) -> None:
     host, port = address.rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(b"POST /x HTTP/1.1\r\ncontent-length: nope\r\n\r\n")
@@ -143,25 +143,38 @@ async def _malformed(_: DrainGate, address: str) -> None:
     assert (await _answers(address, _request(b"ok"), 1))[0][1] == b"ok"
 
 
-def test_a_closed_connection_cancels_its_call_and_a_drain_refuses() -> None:
-    _with_door(_closed_and_drained)
-
-
-async def _closed_and_drained(gate: DrainGate, address: str) -> None:
-    host, port = address.rsplit(":", 1)
-    _, writer = await asyncio.open_connection(host, int(port))
-    writer.write(_request(b"sleep30"))
-    await writer.drain()
-    for _ in range(100):
+async def _in_flight(gate: DrainGate) -> None:
+    """Return once one call is running."""
+    for _ in range(500):
         if gate.in_flight:
             break
         await asyncio.sleep(0.01)
     assert gate.in_flight == 1
+
+
+def test_a_closed_connection_cancels_its_call_and_a_drain_refuses() -> None:
+    _with_door(_closed_and_drained)
+
+
+async def _closed_and_drained(door: WireDoor, gate: DrainGate, address: str) -> None:
+    host, port = address.rsplit(":", 1)
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(_request(b"sleep30"))
+    await writer.drain()
+    await _in_flight(gate)
     writer.close()
     await asyncio.wait_for(gate.idle(), 5)  # cancelled, not left running
+    # A call still running when the door closes (the grace is over) is cancelled.
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(_request(b"sleep30"))
+    await writer.drain()
+    await _in_flight(gate)
     gate.close()
     [(headers, _)] = await _answers(address, _request(b"late"), 1)
     assert headers["x-grpc-status"] == "14", headers
+    door.close()
+    await asyncio.wait_for(gate.idle(), 5)
+    writer.close()
 
 
 def test_grpc_timeout_units() -> None:
