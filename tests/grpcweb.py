@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -14,6 +14,8 @@ class GrpcWebReply:
     status: int
     message: str
     payload: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+    """The response's headers, names in lower case."""
 
 
 def call(
@@ -52,4 +54,4 @@ def call(
             payload = frame
     status = trailers.get("grpc-status", lowered.get("grpc-status", "-1"))
     message = trailers.get("grpc-message", lowered.get("grpc-message", ""))
-    return GrpcWebReply(int(status), urllib.request.unquote(message), payload)
+    return GrpcWebReply(int(status), urllib.request.unquote(message), payload, lowered)

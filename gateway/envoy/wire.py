@@ -80,9 +80,11 @@ def wire_filters() -> list[dict[str, Any]]:
 def wire_route(grpc_route: dict[str, Any]) -> dict[str, Any]:
     """ModelInfer (a unary gRPC call) to the wire door, with the two filters on;
     otherwise as ``grpc_route`` sends gRPC (timeouts, per-route settings)."""
-    # The bridge sets the content type it sends upstream and then routes again:
-    # the route must match both.
-    content_type = {"safe_regex": {"regex": f"application/grpc(\\+proto)?|{CONTENT_TYPE}"}}
+    # gRPC and grpc-web (which the grpc_web filter turns into gRPC before the
+    # bridge); the bridge sets the content type it sends upstream and then routes
+    # again: the route must match that one too.
+    grpc = "application/grpc(-web(-text)?)?(\\+proto)?"
+    content_type = {"safe_regex": {"regex": f"{grpc}|{CONTENT_TYPE}"}}
     # A compressed message keeps the gRPC port: the bridge drops the frame's
     # compressed flag with the frame.
     plain = {"name": "grpc-encoding", "present_match": True, "invert_match": True}

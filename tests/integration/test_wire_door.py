@@ -24,6 +24,7 @@ from inference import grpc_service_pb2 as pb
 from shared.errors import InvalidArgument
 from shared.interceptors import DrainGate
 from shared.wire_door import WireContext, WireDoor, grpc_timeout
+from tests import grpcweb
 from tests.e2e.conftest import EDGE_MESH, start_mesh, stop_mesh
 from tests.harness import ROOT
 
@@ -238,6 +239,18 @@ def test_envoy_answers_as_the_grpc_port(mesh: dict[str, Any], body: bytes) -> No
         assert np.frombuffer(answer.raw_output_contents[0], np.float32).tolist() == [0, 2, 4, 6]
     else:
         assert details and len(details) < 1200
+
+
+def test_a_browser_calls_through_grpc_web(mesh: dict[str, Any]) -> None:
+    edge = f"http://{mesh['processes']['envoy']['grpc']}"
+    reply = grpcweb.call(edge, INFER, _add_sub())
+    assert reply.status == 0, reply.message
+    assert "x-grpc-status" in reply.headers  # it came through the wire door
+    answer = pb.ModelInferResponse.FromString(reply.payload)
+    assert np.frombuffer(answer.raw_output_contents[0], np.float32).tolist() == [0, 2, 4, 6]
+    refused = grpcweb.call(edge, INFER, _add_sub("no_such_model"))
+    code, details, _, _ = _call(mesh["orchestrator"], _add_sub("no_such_model"))
+    assert (refused.status, refused.message) == (code.value[0], details)
 
 
 def test_a_compressed_request_keeps_the_grpc_port(mesh: dict[str, Any]) -> None:
