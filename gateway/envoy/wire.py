@@ -9,11 +9,14 @@ which costs the orchestrator a tenth of a grpc.aio call to receive:
   trailers; on its own it can only map HTTP statuses to a few gRPC codes;
 - ``header_mutation`` then sets the trailers' ``grpc-status`` and
   ``grpc-message`` from the door's ``x-grpc-status`` and ``x-grpc-message``
-  headers, so every status and message reaches the caller as the gRPC port
-  would have sent it (the two headers also reach it, as response headers).
+  headers (and ``traceparent`` from the door's), so every status and message
+  reaches the caller as the gRPC port would have sent it (the two headers also
+  reach it, as response headers).
 
-Both filters are off on every other route. Streams (ModelStreamInfer) and the
-other methods keep the gRPC route to the orchestrator's gRPC port.
+grpc-web calls take the route too (the grpc_web filter turns them into gRPC
+first). Both filters are off on every other route. Streams (ModelStreamInfer),
+the other methods and a compressed message keep the gRPC route to the
+orchestrator's gRPC port.
 """
 
 from __future__ import annotations
@@ -60,10 +63,8 @@ def wire_filters() -> list[dict[str, Any]]:
         {
             "name": STATUS_TRAILERS,
             "disabled": True,
-            "typed_config": {
-                "@type": f"{_TYPES}.filters.http.header_mutation.v3.HeaderMutation",
-                "mutations": _STATUS_MUTATIONS,
-            },
+            # Nothing of its own: the route's config (wire_route) holds the mutations.
+            "typed_config": {"@type": f"{_TYPES}.filters.http.header_mutation.v3.HeaderMutation"},
         },
         {
             "name": BRIDGE,
