@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import yaml
 from opentelemetry import trace
 
 from inference import grpc_service_pb2 as pb
@@ -27,6 +28,7 @@ from shared.wire_door import WireContext, WireDoor, grpc_timeout
 from tests import grpcweb
 from tests.e2e.conftest import EDGE_MESH, start_mesh, stop_mesh
 from tests.harness import ROOT
+from tests.otlp import OtlpReceiver, Span
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -188,11 +190,21 @@ def test_grpc_timeout_units() -> None:
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def otlp() -> Iterator[OtlpReceiver]:
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Iterator[dict[str, Any]]:
+    """The small edge mesh, every process sending its spans to ``otlp``."""
     folder = tmp_path_factory.mktemp("wire")
     shutil.copytree(ROOT / "tests" / "data" / "python_examples" / "add_sub", folder / "add_sub")
+    document = yaml.safe_load(EDGE_MESH)
+    document["defaults"]["otlp_endpoint"] = otlp.endpoint
     config = folder / "mesh.yaml"
-    config.write_text(EDGE_MESH)
+    config.write_text(yaml.safe_dump(document))
     proc, info = start_mesh(folder, config, ["--grace-s", "1"])
     yield info
     stop_mesh(proc)
@@ -239,6 +251,33 @@ def test_envoy_answers_as_the_grpc_port(mesh: dict[str, Any], body: bytes) -> No
         assert np.frombuffer(answer.raw_output_contents[0], np.float32).tolist() == [0, 2, 4, 6]
     else:
         assert details and len(details) < 1200
+
+
+def test_a_trace_continues_through_the_door(mesh: dict[str, Any], otlp: OtlpReceiver) -> None:
+    trace_id = "5ee1" + "0" * 24 + "00d1"
+    edge = mesh["processes"]["envoy"]["grpc"]
+    with grpc.insecure_channel(edge) as channel:
+        _, call = channel.unary_unary(INFER).with_call(
+            _add_sub(), timeout=30, metadata=[("traceparent", f"00-{trace_id}-{'ab' * 8}-01")]
+        )
+    # The caller finds its trace in the trailers, as from the gRPC port.
+    trailers = dict(call.trailing_metadata() or ())
+    assert trailers.get("traceparent", "").startswith(f"00-{trace_id}-"), trailers
+
+    def door_and_stage(spans: list[Span]) -> bool:
+        mine = {(s.service, s.kind) for s in spans if s.trace_id == trace_id}
+        envoy = any(s.service == "envoy" and s.trace_id == trace_id for s in spans)
+        return envoy and {("orchestrator", 2), ("inference", 2)} <= mine
+
+    spans = [s for s in otlp.wait_for(door_and_stage) if s.trace_id == trace_id]
+    (door,) = [s for s in spans if s.service == "orchestrator" and s.kind == 2]
+    assert door.name == INFER.lstrip("/") and door.attributes["meshserve.model"] == "add_sub"
+    envoy = [s for s in spans if s.service == "envoy"]
+    assert door.parent_id in {s.span_id for s in envoy}, spans
+    # The stage's span hangs under the orchestrator's (its forwarding call).
+    orchestrator = {s.span_id for s in spans if s.service == "orchestrator"}
+    stage = [s for s in spans if s.service == "inference" and s.kind == 2]
+    assert stage and all(s.parent_id in orchestrator for s in stage), spans
 
 
 def test_a_browser_calls_through_grpc_web(mesh: dict[str, Any]) -> None:
