@@ -65,6 +65,25 @@ def _split(method: str) -> tuple[str, str]:
     return service.lstrip("/"), name
 
 
+def start_server_span(
+    tracer: trace.Tracer, method: str, parent: otel_context.Context, context: Any
+) -> trace.Span:
+    """A call's server span under ``parent``; its traceparent goes in the call's
+    trailers (``context.set_trailing_metadata``), where the caller finds its
+    request's trace (an abort keeps them). The gRPC port's and the wire door's."""
+    service, name = _split(method)
+    span = tracer.start_span(
+        method.lstrip("/"),
+        context=parent,
+        kind=SpanKind.SERVER,
+        attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
+    )
+    header = traceparent(span)
+    if header is not None:
+        context.set_trailing_metadata(((TRACEPARENT, header),))
+    return span
+
+
 class _HandlerWrapper(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Base of the server interceptors: wraps the handler the server found.
 
@@ -313,18 +332,7 @@ class TracingInterceptor(_HandlerWrapper):
     def _start(
         self, method: str, parent: otel_context.Context, context: grpc.aio.ServicerContext[Any, Any]
     ) -> trace.Span:
-        service, name = _split(method)
-        span = self._tracer.start_span(
-            method.lstrip("/"),
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
-        )
-        # The caller finds its request's trace in the trailers (an abort keeps them).
-        header = traceparent(span)
-        if header is not None:
-            context.set_trailing_metadata(((TRACEPARENT, header),))
-        return span
+        return start_server_span(self._tracer, method, parent, context)
 
     @contextlib.asynccontextmanager
     async def _span(

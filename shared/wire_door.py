@@ -38,11 +38,10 @@ import grpc
 import httptools  # type: ignore[import-untyped]
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind
 
 from shared.errors import GENERIC_INTERNAL_MESSAGE, DeadlineExceeded, MeshError, bounded
-from shared.interceptors import DrainGate, recorded
-from shared.trace_ids import TRACEPARENT, traceparent
+from shared.interceptors import DrainGate, recorded, start_server_span
+from shared.trace_ids import TRACEPARENT
 from shared.tracing import extract_context
 
 log = logging.getLogger(__name__)
@@ -267,22 +266,24 @@ class WireDoor:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
             limit = self.max_request_bytes
             return _answer(code, b"", (), f"request of {request.size} bytes is over {limit}")
-        deadline = None
-        for key, value in request.metadata:
+        deadline, traced = None, not self._silent
+        for key, value in request.metadata:  # one pass: the deadline, and a trace to continue
             if key == "grpc-timeout":
                 timeout = grpc_timeout(value)
                 if timeout is not None:
                     deadline = asyncio.get_running_loop().time() + timeout
+            elif key == TRACEPARENT:
+                traced = True
         context = WireContext(request.metadata, deadline)
         try:
             self._gate.admit()
         except MeshError as exc:
             return _answer(exc.code.value[0], b"", (), exc.message)
         try:
-            if self._silent and not any(k == TRACEPARENT for k, _ in request.metadata):
-                body = await self._call(handler, request, context)
-            else:
+            if traced:
                 body = await self._traced(handler, request, context)
+            else:
+                body = await self._call(handler, request, context)
             return _answer(0, body, context.answer_headers)
         except Exception as exc:
             code, message = _status_of(exc, request.method)
@@ -303,16 +304,8 @@ class WireDoor:
     async def _traced(self, handler: WireHandler, request: _Request, context: WireContext) -> bytes:
         """The call in a server span continuing the caller's trace, as the gRPC
         port's tracing interceptor opens one."""
-        service, _, name = request.method.lstrip("/").partition("/")
-        span = self._tracer.start_span(
-            request.method.lstrip("/"),
-            context=extract_context(request.metadata),
-            kind=SpanKind.SERVER,
-            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
-        )
-        header = traceparent(span)
-        if header is not None:
-            context.answer_headers.append((TRACEPARENT, header))
+        parent = extract_context(request.metadata)
+        span = start_server_span(self._tracer, request.method, parent, context)
         token = otel_context.attach(trace.set_span_in_context(span))
         try:
             with recorded(span):
