@@ -113,13 +113,8 @@ def test_a_bad_request_packed_among_good_ones_fails_alone(repo: Path) -> None:
     in_stage(repo, scenario)
 
 
-def test_a_lone_request_goes_alone_and_waiting_ones_together(
-    repo: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A request with nothing else waiting is written at once as a message of its
-    own (nothing waits for company); requests that arrive while a message is being
-    written go out together in the next one, and each caller gets its own answer
-    under its own id."""
+def _pack_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of requests in each pack the stage reads, filled in as they come."""
     sizes: list[int] = []
     read_pack = forwarding.read_pack
 
@@ -129,6 +124,17 @@ def test_a_lone_request_goes_alone_and_waiting_ones_together(
         return pack
 
     monkeypatch.setattr(forwarding, "read_pack", recorded)
+    return sizes
+
+
+def test_a_lone_request_goes_alone_and_waiting_ones_together(
+    repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request with nothing else waiting is written at once as a message of its
+    own (nothing waits for company); requests that arrive while a message is being
+    written go out together in the next one, and each caller gets its own answer
+    under its own id."""
+    sizes = _pack_sizes(monkeypatch)
 
     async def scenario(mesh: Mesh) -> None:
         async with grpc.aio.insecure_channel(mesh.stages[0].address) as channel:
@@ -207,15 +213,7 @@ def test_on_a_busy_stream_a_request_waits_for_company(monkeypatch: pytest.Monkey
     PACK_WAIT_S before it is written, and the requests that come meanwhile share
     its message."""
     monkeypatch.setattr(forward_stream, "PACK_WAIT_S", 0.2)
-    sizes: list[int] = []
-    read_pack = forwarding.read_pack
-
-    def recorded(data: bytes) -> forwarding.Pack:
-        pack = read_pack(data)
-        sizes.append(len(pack))
-        return pack
-
-    monkeypatch.setattr(forwarding, "read_pack", recorded)
+    sizes = _pack_sizes(monkeypatch)
     held = forward_stream.BUSY_IN_FLIGHT
 
     async def scenario() -> None:
