@@ -14,7 +14,7 @@ winning, so a field is also *set* on a serialised message by appending it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 _LENGTH_DELIMITED = 2
@@ -54,13 +54,11 @@ def read_varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
     raise WireError("malformed varint")
 
 
-def _strings(data: bytes, wanted: tuple[int, ...]) -> dict[int, bytes]:
-    """The last value of each length-delimited field of ``wanted`` at the top level.
-
-    Every field is walked (a field may occur more than once, and the last
-    occurrence wins), so a message cut short or with a bad tag is a WireError.
-    """
-    found: dict[int, bytes] = {}
+def length_delimited(data: bytes | memoryview) -> Iterator[tuple[int, int, int]]:
+    """``(number, start, end)`` of each length-delimited field at the top level, in
+    order; every other field is stepped over. The caller slices what it wants
+    (nothing is copied here), so a message cut short or with a bad tag is a
+    WireError only once the walk reaches it."""
     pos, size = 0, len(data)
     while pos < size:
         tag, pos = read_varint(data, pos)
@@ -72,8 +70,7 @@ def _strings(data: bytes, wanted: tuple[int, ...]) -> dict[int, bytes]:
             end = pos + length
             if end > size:
                 raise WireError(f"field {number} runs past the end of the message")
-            if number in wanted:
-                found[number] = data[pos:end]
+            yield number, pos, end
             pos = end
         elif kind == _VARINT:
             _, pos = read_varint(data, pos)
@@ -83,7 +80,17 @@ def _strings(data: bytes, wanted: tuple[int, ...]) -> dict[int, bytes]:
                 raise WireError(f"field {number} runs past the end of the message")
         else:
             raise WireError(f"unsupported wire type {kind} (field {number})")
-    return found
+
+
+def _strings(data: bytes, wanted: tuple[int, ...]) -> dict[int, bytes]:
+    """The last value of each length-delimited field of ``wanted`` at the top level.
+
+    Every field is walked (a field may occur more than once, and the last
+    occurrence wins), so a message cut short or with a bad tag is a WireError.
+    """
+    return {
+        number: data[start:end] for number, start, end in length_delimited(data) if number in wanted
+    }
 
 
 def repeated_field(data: bytes, number: int) -> list[bytes]:

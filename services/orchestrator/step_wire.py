@@ -25,10 +25,9 @@ from google.protobuf.message import DecodeError
 from inference import grpc_service_pb2 as pb
 from services.orchestrator.ensemble import Step, WireTensor
 from shared.errors import MeshError
-from shared.wireformat import encode_varint, read_varint
+from shared.wireformat import encode_varint, length_delimited
 
-_LENGTH_DELIMITED, _VARINT = 2, 0
-_FIXED = {1: 8, 5: 4}
+_LENGTH_DELIMITED = 2
 _RAW_INPUT = 7
 """ModelInferRequest.raw_input_contents."""
 _OUTPUTS, _RAW_OUTPUT = 5, 6
@@ -64,27 +63,12 @@ def answer_tensors(model: str, answer: bytes) -> dict[str, WireTensor]:
     data = memoryview(answer)
     heads: list[pb.ModelInferResponse.InferOutputTensor] = []
     raws: list[memoryview] = []
-    pos, size = 0, len(data)
     try:
-        while pos < size:
-            tag, pos = read_varint(data, pos)
-            number, kind = tag >> 3, tag & 7
-            if kind == _LENGTH_DELIMITED:
-                length, pos = read_varint(data, pos)
-                end = pos + length
-                if end > size:
-                    raise ValueError("a field runs past the end")
-                if number == _OUTPUTS:
-                    heads.append(_output_head(bytes(data[pos:end])))
-                elif number == _RAW_OUTPUT:
-                    raws.append(data[pos:end])
-                pos = end
-            elif kind == _VARINT:
-                _, pos = read_varint(data, pos)
-            elif kind in _FIXED:
-                pos += _FIXED[kind]
-            else:
-                raise ValueError(f"wire type {kind}")
+        for number, start, end in length_delimited(data):
+            if number == _OUTPUTS:
+                heads.append(_output_head(bytes(data[start:end])))
+            elif number == _RAW_OUTPUT:
+                raws.append(data[start:end])
     except (ValueError, IndexError, DecodeError) as exc:
         raise MeshError(f"model '{model}': the stage's answer does not parse: {exc}") from None
     if len(heads) != len(raws):
