@@ -98,6 +98,7 @@ class MeshServer:
         self.metrics_port = 0
         self._server: grpc.aio.Server | None = None
         self._metrics_httpd: Any = None
+        self._tls: MeshTls | None = None
         self.wire: WireDoor | None = None
         self.wire_address: str | None = None
         """``host:port`` of the wire door (None: off)."""
@@ -166,15 +167,14 @@ class MeshServer:
             config.max_message_bytes,
             self.gate,
         )
-        tls = MeshTls.from_config(config)
-        context = tls.server_ssl_context() if tls is not None else None
+        context = self._tls.server_ssl_context() if self._tls is not None else None
         self.wire_address = await self.wire.start(config.host, config.wire_port, context)
 
     def _bind(self, server: grpc.aio.Server) -> int:
         """The port, TLS with client certificates when mutual TLS is configured; the
         channels this process opens then show the same certificate."""
         address = f"{self.config.host}:{self.config.grpc_port}"
-        tls = MeshTls.from_config(self.config)
+        tls = self._tls = MeshTls.from_config(self.config)  # the wire door's too
         if tls is None:
             port: int = server.add_insecure_port(address)
             return port
