@@ -16,6 +16,7 @@ stream = client.chat.completions.create(
     max_tokens=1500,
     temperature=0.8,
     stream=True,
+    extra_body={"ignore_eos": True},  # only the abort can end it, never an early end of text
 )
 read = 0
 finish = None

@@ -237,7 +237,7 @@ async def _cancel_after(address: str, ids: list[int], responses: int) -> int:
     """Open a long generation, read ``responses`` responses, then cancel the RPC."""
     async with grpc.aio.insecure_channel(address) as channel:
         call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
-            iter([request(ids, {"temperature": 0.8, "seed": 7, "max_tokens": 1500})]), timeout=240
+            iter([request(ids, {"temperature": 0.8, "seed": 7, "max_tokens": 1500, "ignore_eos": True})]), timeout=240
         )
         seen = 0
         async for _ in call:
