@@ -135,7 +135,10 @@ def test_generate_errors_keep_their_status_and_name_the_field(
 def test_closing_a_generate_stream_aborts_the_generation(edge: str, mesh: dict[str, Any]) -> None:
     metrics_port = mesh["processes"]["inference-0"]["metrics_port"]
     before = aborted_generations(metrics_port)
-    body = {"text_input": "1, 2, 3, 4, 5, 6,", "parameters": {"max_tokens": 1500, "ignore_eos": True}}
+    body = {
+        "text_input": "1, 2, 3, 4, 5, 6,",
+        "parameters": {"max_tokens": 1500, "ignore_eos": True},
+    }
     request = urllib.request.Request(
         f"{edge}/v2/models/llm/generate_stream",
         data=json.dumps(body).encode(),

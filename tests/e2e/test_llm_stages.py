@@ -235,9 +235,11 @@ def test_sixteen_concurrent_streams_each_answer_their_own_question(
 
 async def _cancel_after(address: str, ids: list[int], responses: int) -> int:
     """Open a long generation, read ``responses`` responses, then cancel the RPC."""
+    # ignore_eos: only the cancel can end it, never an early end of text
+    sampling = {"temperature": 0.8, "seed": 7, "max_tokens": 1500, "ignore_eos": True}
     async with grpc.aio.insecure_channel(address) as channel:
         call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
-            iter([request(ids, {"temperature": 0.8, "seed": 7, "max_tokens": 1500, "ignore_eos": True})]), timeout=240
+            iter([request(ids, sampling)]), timeout=240
         )
         seen = 0
         async for _ in call:
