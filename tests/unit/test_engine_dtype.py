@@ -48,6 +48,8 @@ def native_bf16(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: flag)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: flag)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # vLLM's caches in the project's cache folder, as the inference service keeps them.
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(cache_dir() / "vllm"))
     return flag
 
 
