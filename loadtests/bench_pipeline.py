@@ -2,6 +2,7 @@
 
     python loadtests/bench_pipeline.py [--pipeline image_classifier|text_embedding]
         [--tracing on|off] [--seconds 5] [--rounds 2] [--in-flight 1,16,64] [--quick]
+        [--layout separate|colocated|both]
 
 In order:
 
@@ -19,6 +20,8 @@ In order:
    the ensemble and its steps alone (links into the prepared one: no LLM starts);
    Tracing is off unless ``--tracing on`` (the mesh YAML's default: every span
    to the local trace store; bench_tracing.py measures what that costs);
+   ``--layout colocated`` runs the steps' stages in one process instead
+   (services/colocated/: it runs the ensemble whole), ``both`` one mesh then the other;
 3. closed-loop grpc.aio load on the orchestrator (ModelInfer of the ensemble,
    one input per request, several HTTP/2 connections) at each in-flight level,
    warmed up before a measured window; CPU of each mesh process from /proc;
@@ -50,7 +53,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -100,11 +103,11 @@ PROCESS_OF = {
     "mean_pool": "postprocess-0",
 }
 """Each step model -> the mesh process that hosts it."""
+COLOCATED = "colocated-0"
+"""The one stage process of ``--layout colocated``."""
 INPUTS = {"image_classifier": "IMAGE", "text_embedding": "TEXT"}
 """Each ensemble's one input (BYTES [1, 1])."""
 SENTENCE = b"The quick brown fox jumps over the lazy dog near the river bank."
-HOPS = 4
-"""client -> orchestrator, orchestrator -> each of the three steps' stages."""
 DEADLINE_S = 60.0
 """The deadline of "mesh+deadline" requests: long enough never to pass."""
 
@@ -115,16 +118,30 @@ class Pipeline:
 
     ensemble: str
     steps: tuple[str, str, str]
+    colocated: bool = False
+    """The steps' stages in one process (services/colocated/), which runs the
+    ensemble whole; else each stage in its own process."""
 
     @property
     def stages(self) -> dict[str, str]:
         """Step model -> the process that hosts it."""
-        return {step: PROCESS_OF[step] for step in self.steps}
+        return {step: COLOCATED if self.colocated else PROCESS_OF[step] for step in self.steps}
+
+    @property
+    def processes(self) -> tuple[str, ...]:
+        """The stage processes a request runs in, each once."""
+        return tuple(dict.fromkeys(self.stages.values()))
 
     @property
     def serving(self) -> tuple[str, ...]:
         """The processes a request runs in."""
-        return ("orchestrator", *self.stages.values())
+        return ("orchestrator", *self.processes)
+
+    @property
+    def hops(self) -> int:
+        """gRPC round trips per request: client -> orchestrator, then one to each
+        step's stage (one in all when the stages share a process)."""
+        return 2 if self.colocated else 1 + len(self.steps)
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -154,6 +171,9 @@ class Settings:
     """First-step threads of the batched floor."""
     with_deadline: bool
     """Also load the mesh with a deadline on every request ("mesh+deadline")."""
+    layouts: tuple[bool, ...]
+    """The meshes to load, one after the other: False each stage in its own
+    process, True the stages in one (``Pipeline.colocated``)."""
 
 
 # -- the floor: the three steps in one process ---------------------------------
@@ -432,11 +452,11 @@ def stage_times(pipe: Pipeline, result: LoadResult) -> list[StageTimes]:
 def throughput_table(pipe: Pipeline, floor: FloorRuns, mesh: Sequence[LoadResult]) -> str:
     """Floor and mesh rows: rate, latency, CPU per request by process."""
     headers = ["run", "in-flight", "req/s", "p50 ms", "p99 ms", "CPU ms/req", "orch"]
-    headers += [*(process.split("-")[0][:5] for process in pipe.stages.values())]
+    headers += [*(process.split("-")[0][:5] for process in pipe.processes)]
     headers += ["client", "others"]
     rows: list[list[object]] = []
     for result in [*floor.results.values(), *mesh]:
-        per_stage = [result.cpu_ms(process) for process in pipe.stages.values()]
+        per_stage = [result.cpu_ms(process) for process in pipe.processes]
         mesh_run = result.label.startswith("mesh")
         total = result.cpu_ms(*pipe.serving) if mesh_run else result.client_cpu_ms()
         rows.append(
@@ -447,7 +467,11 @@ def throughput_table(pipe: Pipeline, floor: FloorRuns, mesh: Sequence[LoadResult
                 result.percentile(50),
                 result.percentile(99),
                 total,
-                *([result.cpu_ms("orchestrator"), *per_stage] if mesh_run else ["-"] * 4),
+                *(
+                    [result.cpu_ms("orchestrator"), *per_stage]
+                    if mesh_run
+                    else ["-"] * (1 + len(per_stage))
+                ),
                 result.client_cpu_ms() if mesh_run else "-",
                 result.usage.others,
             ]
@@ -495,14 +519,15 @@ def hop_lines(pipe: Pipeline, floor: FloorRuns, mesh: Sequence[LoadResult]) -> l
     added = one.percentile(50) - base.percentile(50)
     between = ensemble.server_ms - sum(step.server_ms for step in steps)
     queued = ", ".join(f"{step.model} {step.queue_ms:.2f}" for step in steps)
+    hops = pipe.hops
     return [
         f"added p50 per hop @1 = (mesh {one.percentile(50):.1f} - floor "
-        f"{base.percentile(50):.1f} ms) / {HOPS} hops = {added / HOPS:.2f} ms",
+        f"{base.percentile(50):.1f} ms) / {hops} hops = {added / hops:.2f} ms",
         "  where it goes (means, ms):",
-        f"    client -> orchestrator (client mean - orchestrator's ensemble time): "
+        f"    client -> orchestrator (client mean - the ensemble's time where it runs): "
         f"{one.mean - ensemble.server_ms:.2f}",
-        f"    orchestrator -> 3 stages (ensemble time - sum of stage times): {between:.2f}, "
-        f"{between / (HOPS - 1):.2f} per stage hop",
+        f"    between the steps (ensemble time - sum of step times): {between:.2f}, "
+        f"{between / (hops - 1):.2f} per stage hop",
         f"    in the stages: {sum(s.server_ms for s in steps):.2f} vs floor {base.mean:.2f} "
         f"in-process; of it queueing {sum(s.queue_ms for s in steps):.2f} ({queued})",
     ]
@@ -548,6 +573,12 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument("--connections", type=int, default=4, help="gRPC connections")
     parser.add_argument("--threads", type=int, default=2, help="floor first-step threads")
     parser.add_argument(
+        "--layout",
+        choices=("separate", "colocated", "both"),
+        default="separate",
+        help="the stages each in a process, all in one (services/colocated/), or both meshes",
+    )
+    parser.add_argument(
         "--with-deadline",
         action="store_true",
         help="also load with a deadline per request (steps as ModelInfer calls), interleaved",
@@ -564,6 +595,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         args.connections,
         args.threads,
         args.with_deadline,
+        {"separate": (False,), "colocated": (True,), "both": (False, True)}[args.layout],
     )
 
 
@@ -587,6 +619,9 @@ def pipeline_mesh(source: Path, pipe: Pipeline, tracing: bool) -> Iterator[MeshI
         supervisor = document.setdefault("supervisor", {})
         supervisor["trace_store"] = tracing
         supervisor["jobs"] = {"enabled": False}
+        if pipe.colocated:
+            module = "services.colocated.main"
+            supervisor["stages"] = [{"name": "colocated", "module": module, "replicas": 1}]
         config = folder / "mesh.yaml"
         config.write_text(yaml.safe_dump(document, sort_keys=False))
         proc = start_supervisor(repository, config, folder / "mesh.log", 180.0)
@@ -623,8 +658,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     floor_results = measure_floor(floor, data, settings)
     payload = infer_payload(pipe, data)
-    mesh_results = asyncio.run(mesh_run(pipe, payload, settings))
-    print_report(pipe, floor_results, mesh_results)
+    for colocated in settings.layouts:
+        layout = replace(pipe, colocated=colocated)
+        mesh_results = asyncio.run(mesh_run(layout, payload, settings))
+        print(f"\n== stages {'in one process' if colocated else 'each in its own process'}")
+        print_report(layout, floor_results, mesh_results)
     return 0
 
 

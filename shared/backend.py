@@ -157,6 +157,37 @@ class StreamingBackend(Protocol):
         ...
 
 
+class LoopModel(Protocol):
+    """A loaded model whose requests run on the event loop, each as it comes: no
+    batcher and no instance thread in front of it (an ensemble of the stage's own
+    models, whose steps queue at their own models' batchers)."""
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        """The answer to one (validated) request."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the model holds."""
+        ...
+
+
+@runtime_checkable
+class LoopBackend(Protocol):
+    """A backend whose models are ``LoopModel``s; they load after every other model
+    of the stage (they may use them)."""
+
+    name: str
+
+    def claims(self, config: mc.ModelConfig) -> bool:
+        """True when this stage should host the model of ``config`` (a backend may
+        run only some models of its kind)."""
+        ...
+
+    async def open(self, model: ModelSpec) -> LoopModel:
+        """Load one version (on the event loop: it must not block)."""
+        ...
+
+
 def is_decoupled(config: mc.ModelConfig) -> bool:
     """True for models that answer a request with a stream of responses."""
     return config.model_transaction_policy.decoupled

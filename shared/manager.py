@@ -23,7 +23,13 @@ from dataclasses import dataclass
 from google.protobuf import json_format
 
 from inference import model_config_pb2 as mc
-from shared.backend import Backend, CompletingBackend, ModelSpec, config_parameters
+from shared.backend import (
+    Backend,
+    CompletingBackend,
+    LoopBackend,
+    ModelSpec,
+    config_parameters,
+)
 from shared.errors import ConfigError, InvalidArgument, MeshError, NotFound, Unavailable
 from shared.model import ModelVersion
 from shared.queue_bounds import DEFAULTS, QueueDefaults
@@ -76,17 +82,23 @@ class ModelManager:
 
     def hosts(self, config: mc.ModelConfig) -> bool:
         """True when one of this service's backends runs the model."""
-        return self._backend_name(config.backend or config.platform) in self.backends
+        backend = self.backends.get(self._backend_name(config.backend or config.platform))
+        if isinstance(backend, LoopBackend):
+            return backend.claims(config)
+        return backend is not None
 
     def hosts_name(self, name: str) -> bool:
         """True when this service hosts the model folder ``name``; a config too
         broken to name its backend may be any service's, so each one claims it
-        (and shows its error)."""
+        (and shows its error); a LoopBackend claims only what it can run."""
         try:
             return self.hosts(self.repository.config(name))
         except ConfigError:
-            backend = self.repository.declared_backend(name)
-            return backend is None or self._backend_name(backend) in self.backends
+            declared = self.repository.declared_backend(name)
+            if declared is None:
+                return True
+            backend = self.backends.get(self._backend_name(declared))
+            return backend is not None and not isinstance(backend, LoopBackend)
 
     @staticmethod
     def _backend_name(key: str) -> str:
@@ -102,25 +114,31 @@ class ModelManager:
             # Light models all at once, each serving as soon as it is in (the index
             # says so, model by model); then the heavy backends' (torch, an LLM
             # engine), whose imports and loads would take the CPU from the others.
-            light, heavy = self._by_weight(names)
+            # Last, the models that run others of this stage (LoopBackend).
+            light, heavy, last = self._by_weight(names)
             await asyncio.gather(*(self._load_at_start(name) for name in light))
             await asyncio.gather(*(self._load_at_start(name) for name in heavy))
+            await asyncio.gather(*(self._load_at_start(name) for name in last))
         finally:
             self.starting = False
 
-    def _by_weight(self, names: Iterable[str]) -> tuple[list[str], list[str]]:
-        """``names`` split into those of light backends and those of heavy ones
-        (a backend that says ``heavy = True``)."""
+    def _by_weight(self, names: Iterable[str]) -> tuple[list[str], list[str], list[str]]:
+        """``names`` split into those of light backends, those of heavy ones (a
+        backend that says ``heavy = True``) and those of LoopBackends."""
         light: list[str] = []
         heavy: list[str] = []
+        last: list[str] = []
         for name in names:
             try:
                 key = self.repository.config(name)
                 backend = self.backends.get(self._backend_name(key.backend or key.platform))
             except MeshError:
                 backend = None  # its load reports the error, among the first
-            (heavy if getattr(backend, "heavy", False) else light).append(name)
-        return light, heavy
+            if isinstance(backend, LoopBackend):
+                last.append(name)
+            else:
+                (heavy if getattr(backend, "heavy", False) else light).append(name)
+        return light, heavy, last
 
     async def _load_at_start(self, name: str) -> None:
         try:

@@ -31,6 +31,8 @@ from shared.backend import (
     Backend,
     BackendInstance,
     InstanceSpec,
+    LoopBackend,
+    LoopModel,
     ModelSpec,
     QuickInstance,
     StreamingBackend,
@@ -262,6 +264,8 @@ class ModelVersion:
         self.decoupled = is_decoupled(spec.config)
         self.streaming: list[StreamingInstance] = []
         """A decoupled model's instances (it has neither threaded instances nor a batcher)."""
+        self.on_loop: LoopModel | None = None
+        """A LoopBackend's model: each request runs on the loop as it comes."""
         self._open_streams: dict[int, int] = {}  # id(streaming instance) -> streams open on it
         self._stream_limit = 0  # most streams open at once; 0: unbounded (set at load)
         self._streams_drained = asyncio.Event()
@@ -300,7 +304,9 @@ class ModelVersion:
         try:
             # Off the loop: it may import torch, seconds in which no RPC would be answered.
             specs = instance_specs(self.spec.config, await asyncio.to_thread(cuda_device_count))
-            if self.decoupled:
+            if isinstance(self.backend, LoopBackend):
+                self.on_loop = await self.backend.open(self.spec)
+            elif self.decoupled:
                 await self._load_streaming(specs)
             else:
                 await self._load_threaded(specs)
@@ -400,6 +406,9 @@ class ModelVersion:
             except Exception:
                 log.exception("model '%s': closing a streaming instance failed", self.name)
         self.streaming = []
+        if self.on_loop is not None:
+            await self.on_loop.close()
+            self.on_loop = None
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """Validate, queue, execute; records success or failure statistics."""
@@ -407,10 +416,15 @@ class ModelVersion:
         try:
             if self.decoupled:
                 raise InvalidArgument(f"model '{self.name}' is decoupled; use ModelStreamInfer")
-            if not self.ready or self.batcher is None:
+            if self.on_loop is not None and self.ready:
+                self.validate(request)
+                response = await self.on_loop.infer(request)
+                request.queue_start_ns = request.compute_start_ns = started
+            elif not self.ready or self.batcher is None:
                 raise Unavailable(f"model '{self.name}' version {self.version} is not ready")
-            self.validate(request)
-            response = await self.batcher.infer(request)
+            else:
+                self.validate(request)
+                response = await self.batcher.infer(request)
         except BaseException as exc:
             self.stats.request_done(time.monotonic_ns() - started, 0, False, _failure(exc))
             if isinstance(exc, asyncio.CancelledError):

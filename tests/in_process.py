@@ -22,9 +22,11 @@ import grpc
 
 from inference import grpc_service_pb2_grpc as pb_grpc
 from meshserve.v1 import meshserve_pb2_grpc as api_grpc
+from services.colocated.local_ensembles import LocalEnsembleBackend
 from services.inference.python import PythonBackend
 from services.orchestrator.core import Orchestrator
 from services.orchestrator.main import OrchestratorConfig, build_parts
+from shared.backend import Backend
 from shared.server import MeshServer
 from shared.stage import StageConfig, build_stage_parts
 
@@ -42,14 +44,19 @@ class Mesh:
     api: api_grpc.MeshServiceStub
 
 
-def _stage(repo: Path, index: int, load: list[str], grace_s: float) -> MeshServer:
+def _stage(
+    repo: Path, index: int, load: list[str], grace_s: float, local_ensembles: bool
+) -> MeshServer:
     config = StageConfig(
         service_name=f"inference-{index}",
         model_repository=repo,
         load_models=load,
         grace_period_s=grace_s,
     )
-    return MeshServer(config, build_stage_parts(config, {"python": PythonBackend()}))
+    backends: dict[str, Backend] = {"python": PythonBackend()}
+    if local_ensembles:  # as services/colocated/main.py registers it
+        backends["ensemble"] = LocalEnsembleBackend()
+    return MeshServer(config, build_stage_parts(config, backends))
 
 
 @contextlib.asynccontextmanager
@@ -59,21 +66,25 @@ async def running(
     load: list[str] | None = None,
     refresh_interval_s: float = 300,
     grace_s: float = 1,
+    local_ensembles: bool = False,
 ) -> AsyncIterator[Mesh]:
     """``replicas`` inference stages on ``repo`` and the orchestrator, in this loop.
 
     The default refresh is longer than any test: the router knows what it saw
     at start, so a replica stopped by a test stays "ready" until a call fails.
+    With ``local_ensembles`` the stages run the ensembles of their own models whole.
     """
-    async with _running(repo, replicas, load or [], refresh_interval_s, grace_s) as mesh:
+    stages = [
+        _stage(repo, index, load or [], grace_s, local_ensembles) for index in range(replicas)
+    ]
+    async with _running(repo, stages, refresh_interval_s, grace_s) as mesh:
         yield mesh
 
 
 @contextlib.asynccontextmanager
 async def _running(
-    repo: Path, replicas: int, load: list[str], refresh_interval_s: float, grace_s: float
+    repo: Path, stages: list[MeshServer], refresh_interval_s: float, grace_s: float
 ) -> AsyncIterator[Mesh]:
-    stages = [_stage(repo, index, load, grace_s) for index in range(replicas)]
     orchestrator: MeshServer | None = None
     channel: grpc.aio.Channel | None = None
     try:

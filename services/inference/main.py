@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+from prometheus_client import CollectorRegistry
 from pydantic import Field
 
 from services.inference.onnx import OnnxBackend
@@ -72,15 +73,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = load_config(InferenceConfig, argv, service="inference")
     registered = backends()
     parts = build_stage_parts(config, registered)
-    # The LLM metrics (meshserve_llm_*) join the service's /metrics; the engines
-    # that feed them start later, in the load hook.
+    attach_metrics(registered, parts.registry)
+    asyncio.run(run_service(config, parts))
+
+
+def attach_metrics(registered: Mapping[str, Backend], registry: CollectorRegistry) -> None:
+    """Put the metrics of the backends from ``backends()`` on the stage's /metrics."""
+    # The LLM metrics (meshserve_llm_*); the engines that feed them start later,
+    # in the load hook.
     llm = registered[VllmBackend.name]
     assert isinstance(llm, VllmBackend)
-    llm.registry = parts.registry
+    llm.registry = registry
     archives = registered[TorchServeBackend.name]
     assert isinstance(archives, TorchServeBackend)
-    archives.metrics.attach(parts.registry)  # TorchServe's ts_* names
-    asyncio.run(run_service(config, parts))
+    archives.metrics.attach(registry)  # TorchServe's ts_* names
 
 
 # Also keeps vLLM's spawned engine processes, which import this module, from serving.

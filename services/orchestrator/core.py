@@ -226,7 +226,7 @@ class Orchestrator:
     def stages_of(self, model: str) -> list[str]:
         """The stages hosting ``model`` (``orchestrator`` for an ensemble; a route's primary's)."""
         model, _ = self.resolve(model)
-        if model in self.ensembles.plans:
+        if self.ensembles.runs_here(model):
             return ["orchestrator"]
         return self.router.stage_names(model)
 
@@ -309,7 +309,7 @@ class Orchestrator:
         """Triton's statistics of one model, or of every model (no name); a route's
         are its primary's."""
         name, version = self.resolve(name, version)
-        if name in self.ensembles.stats:
+        if name in self.ensembles.stats and not self.router.hosts(name):
             _check_version(name, version)
             return [self._ensemble_stats(name)]
         request = pb.ModelStatisticsRequest(name=name, version=version)
@@ -318,7 +318,12 @@ class Orchestrator:
                 name, lambda stub: stub.ModelStatistics(request, timeout=timeout_s)
             )
             return list(response.model_stats)
-        stats = [self._ensemble_stats(ensemble) for ensemble in self.ensembles.stats]
+        # An ensemble a stage serves whole: that stage's statistics say it.
+        stats = [
+            self._ensemble_stats(ensemble)
+            for ensemble in self.ensembles.stats
+            if not self.router.hosts(ensemble)
+        ]
         for endpoint in [e for e in self.router.endpoints if e.ready]:
             try:
                 with remote():
@@ -348,7 +353,10 @@ class Orchestrator:
                 if (model.name, model.version) not in seen:
                     seen.add((model.name, model.version))
                     rows.append(model)
+        listed = {row.name for row in rows}
         for name in self.ensembles.names():
+            if name in listed:
+                continue  # a stage serves it whole; its row says how it is
             if name in self.ensembles.plans:
                 rows.append(_index_row(name, "READY"))
             elif not ready_only:
@@ -371,7 +379,8 @@ class Orchestrator:
         entry = self._entry_to_load(name)
         if entry is not None and is_ensemble(entry.config):
             await self.ensembles.load(name)
-            return
+            if not self.router.listing(name):
+                return  # else also where a stage runs it whole, as its other models
         # The stages' indexes as they are now: a config fixed since the last
         # refresh names its backend, and only that backend's stage lists it.
         await self.router.refresh()
@@ -424,10 +433,11 @@ class Orchestrator:
             self.routes.delete(name)
             return
         self.adapters.forget(name)  # an adapter: its derived pipeline goes, the stage unloads it
+        replicas = [e for e in self.router.replicas(name) if e.ready]
         if name in self.ensembles.plans:
             self.ensembles.unload(name)
-            return
-        replicas = [e for e in self.router.replicas(name) if e.ready]
+            if not replicas:
+                return  # else also where a stage runs it whole
         if not replicas:
             raise NotFound(f"model '{name}' is not loaded on any stage")
         request = pb.RepositoryModelUnloadRequest(model_name=name)

@@ -39,11 +39,18 @@ class EnsembleRegistry:
     """Loaded ensemble plans, their failures and their statistics."""
 
     def __init__(
-        self, repository: ModelRepository | None, fetch_config: FetchConfig, metrics: Metrics | None
+        self,
+        repository: ModelRepository | None,
+        fetch_config: FetchConfig,
+        metrics: Metrics | None,
+        served_whole: Callable[[str], bool] = lambda name: False,
     ) -> None:
         self.repository = repository
         self._fetch_config = fetch_config
         self._metrics = metrics
+        self._served_whole = served_whole
+        """True for an ensemble a ready stage serves whole (services/colocated/): its
+        requests go there as a stage model's do, and it does not run here."""
         self.plans: dict[str, EnsemblePlan] = {}
         self.failed: dict[str, str] = {}
         self.stats: dict[str, StatsRecorder] = {}
@@ -126,8 +133,15 @@ class EnsembleRegistry:
         if self.plans.pop(name, None) is None:
             raise NotFound(f"model '{name}' is not loaded")
 
+    def runs_here(self, name: str) -> bool:
+        """True when the ensemble ``name`` is loaded here and no stage serves it whole."""
+        return name in self.plans and not self._served_whole(name)
+
     def get(self, name: str) -> EnsemblePlan | None:
-        """The plan, or None when ``name`` is not an ensemble; raises if it failed."""
+        """The plan, or None when ``name`` is not an ensemble run here (a stage
+        model, or an ensemble a stage serves whole); raises if it failed here."""
+        if self._served_whole(name):
+            return None
         plan = self.plans.get(name)
         if plan is None and name in self.failed:
             raise Unavailable(

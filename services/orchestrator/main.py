@@ -88,7 +88,9 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
         ),
     )
     repository = ModelRepository(config.model_repository) if config.model_repository else None
-    ensembles = EnsembleRegistry(repository, router.model_config, Metrics(parts.registry))
+    ensembles = EnsembleRegistry(
+        repository, router.model_config, Metrics(parts.registry), served_whole=router.hosts
+    )
     routes = RouteTable(load_routes(config.model_repository), parts.registry)
     core = Orchestrator(router, ensembles, tracer, routes)
     servicer = OrchestratorServicer(core)

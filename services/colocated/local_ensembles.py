@@ -1,0 +1,134 @@
+"""Ensembles run whole on a stage that hosts every one of their steps.
+
+A stage that hosts several stages' backends (services/colocated/main.py)
+claims each ensemble whose steps are all its own models, none of them
+streaming and none an ensemble itself. Its index then lists the ensemble as
+any model, and the orchestrator sends the ensemble's requests here as it
+forwards any stage model (services/orchestrator/ensembles.py gives way to a
+stage that serves an ensemble whole): one hop for the request instead of one
+per step. The graph and its checks are the orchestrator's (ensemble.py); each
+step goes to its model's ``ModelVersion`` (validation, batcher, statistics) as
+any caller's request does. An ensemble that this stage does not claim is run
+by the orchestrator, step by step, as before.
+
+No gRPC here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from opentelemetry import trace
+
+from inference import model_config_pb2 as mc
+from services.orchestrator.ensemble import EnsemblePlan, ModelIO, Step, WireTensor
+from shared.backend import BackendInstance, InstanceSpec, LoopModel, ModelSpec, is_decoupled
+from shared.errors import ConfigError, FailedPrecondition, MeshError, Unavailable
+from shared.manager import ModelManager
+from shared.repository import is_ensemble
+from shared.request import InferRequest, InferResponse
+from shared.server import Hook
+from shared.stage import StageContext
+from shared.tensors import datatype_of, decode_raw, encode_raw
+
+
+class LocalEnsembleBackend:
+    """The ``ensemble`` platform, for the ensembles whose steps all run on this stage."""
+
+    name = "ensemble"
+
+    def __init__(self) -> None:
+        self._manager: ModelManager | None = None
+
+    def attach(self, stage: StageContext) -> tuple[list[Hook], list[Hook]]:
+        """Keep the stage's models: the steps run on them."""
+        self._manager = stage.manager
+        return [], []
+
+    def claims(self, config: mc.ModelConfig) -> bool:
+        """True when every step's model is this stage's, answers once and is no ensemble."""
+        manager = self._manager
+        steps = config.ensemble_scheduling.step
+        if manager is None or not is_ensemble(config) or not steps:
+            return False
+        for step in steps:
+            try:
+                step_config = manager.repository.config(step.model_name)
+            except MeshError:
+                return False
+            if is_ensemble(step_config) or is_decoupled(step_config):
+                return False
+            if not manager.hosts(step_config):
+                return False
+        return True
+
+    def create_instance(self, model: ModelSpec, instance: InstanceSpec) -> BackendInstance:
+        """Not for ensembles: they run on the loop (``open``), with no instance."""
+        raise ConfigError(f"model '{model.name}': an ensemble has no execution instances")
+
+    async def open(self, model: ModelSpec) -> LoopModel:
+        """The ensemble's plan, checked against its steps' loaded configs."""
+        manager = self._manager
+        if manager is None:
+            raise FailedPrecondition("the ensemble backend runs only inside a stage")
+        models: dict[str, ModelIO] = {}
+        for index, step in enumerate(model.config.ensemble_scheduling.step):
+            version = "" if step.model_version < 0 else str(step.model_version)
+            try:
+                loaded = manager.get(step.model_name, version)
+            except MeshError as exc:
+                raise Unavailable(
+                    f"ensemble '{model.name}' step {index} ('{step.model_name}'): {exc.message}"
+                ) from exc
+            models[step.model_name] = ModelIO.from_config(loaded.spec.config)
+        plan = EnsemblePlan.build(model.config, models)
+        return LocalEnsemble(plan, manager)
+
+
+class LocalEnsemble:
+    """One loaded ensemble: each request's steps run on this stage's models."""
+
+    def __init__(self, plan: EnsemblePlan, manager: ModelManager) -> None:
+        self.plan = plan
+        self._manager = manager
+        self._tracer = trace.get_tracer(__name__)
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        """Run the graph on the request's inputs; its outputs, as asked for."""
+
+        async def call(
+            step: Step, inputs: dict[str, WireTensor], outputs: list[str]
+        ) -> dict[str, WireTensor]:
+            arrays = {name: _array(name, tensor) for name, tensor in inputs.items()}
+            sub = InferRequest(
+                step.model,
+                step.version,
+                arrays,
+                requested_outputs=outputs or None,
+                id=request.id,
+                priority=request.priority,
+                timeout_us=request.timeout_us,
+            )
+            answer = await self._manager.get(step.model, step.version).infer(sub)
+            return {name: _wire(array) for name, array in answer.outputs.items()}
+
+        inputs = {name: _wire(array) for name, array in request.inputs.items()}
+        produced = await self.plan.run(inputs, call, self._tracer)
+        wanted = request.requested_outputs or list(produced)
+        return InferResponse(outputs={name: _array(name, produced[name]) for name in wanted})
+
+    async def close(self) -> None:
+        """Nothing to release: the steps' models are the stage's."""
+
+
+def _wire(array: np.ndarray) -> WireTensor:
+    """An array as the graph carries it; numbers as a view of the array, not a copy."""
+    datatype = datatype_of(array)
+    if datatype == "BYTES" or array.dtype.byteorder == ">":
+        raw: bytes | memoryview = encode_raw(array)
+    else:
+        raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
+    return WireTensor(datatype, tuple(array.shape), raw)
+
+
+def _array(name: str, tensor: WireTensor) -> np.ndarray:
+    return decode_raw(name, tensor.datatype, tensor.shape, tensor.raw)

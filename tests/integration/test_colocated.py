@@ -1,0 +1,152 @@
+"""Stages in one process: an ensemble whose steps are all that process's models
+runs there whole, and the orchestrator forwards it as any model; an ensemble it
+cannot run whole (a streaming step) still runs step by step on the orchestrator.
+
+The stage (python and ensemble backends, as services/colocated/main.py registers
+them) and the orchestrator are real grpc.aio servers on port 0 in the test's
+event loop (tests/in_process.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from inference import grpc_service_pb2 as pb
+from inference import grpc_service_pb2_grpc as pb_grpc
+from shared.tensors import decode_outputs, encode_inputs
+from tests.conftest import DATA
+from tests.in_process import Mesh, running
+from tests.integration.test_orchestrator import DIAMOND, ensemble, scale_model
+
+# The prompt ids through the streaming echo engine: a step that streams.
+STREAMING = """
+input [ { name: "IDS" data_type: TYPE_INT64 dims: [ -1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT64 dims: [ -1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "echo_engine" model_version: -1
+    input_map { key: "INPUT_IDS" value: "IDS" } output_map { key: "OUTPUT_IDS" value: "OUT" } }
+] }
+"""
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    shutil.copytree(DATA / "models" / "add_sub", tmp_path / "add_sub")
+    scale_model(tmp_path, "double_slow", 2)
+    scale_model(tmp_path, "triple_slow", 3)
+    ensemble(tmp_path, "diamond", DIAMOND)
+    shutil.copytree(DATA / "models" / "echo_engine", tmp_path / "echo_engine")
+    (tmp_path / "echo_pipeline" / "1").mkdir(parents=True)
+    (tmp_path / "echo_pipeline" / "config.pbtxt").write_text(f'platform: "ensemble"\n{STREAMING}')
+    return tmp_path
+
+
+def in_colocated_mesh(repo: Path, scenario: Callable[[Mesh], Awaitable[None]]) -> None:
+    async def run() -> None:
+        async with running(repo, local_ensembles=True) as mesh:
+            await asyncio.wait_for(scenario(mesh), 60)
+
+    asyncio.run(run())
+
+
+def diamond_request(a: np.ndarray) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="diamond")
+    encode_inputs(request, {"A": a, "B": np.ones(a.shape, dtype=np.float32)})
+    return request
+
+
+async def success_count(address: str, model: str) -> int:
+    """The model's successful requests, as the stage at ``address`` counts them."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+        stats = await stub.ModelStatistics(pb.ModelStatisticsRequest(name=model))
+    return int(stats.model_stats[0].inference_stats.success.count)
+
+
+def test_an_ensemble_of_one_stages_models_runs_there_whole(repo: Path) -> None:
+    async def scenario(mesh: Mesh) -> None:
+        stage = mesh.stages[0].address
+        a = np.arange(8, dtype=np.float32).reshape(2, 4)
+        answers = await asyncio.gather(*(mesh.v2.ModelInfer(diamond_request(a)) for _ in range(5)))
+        for answer in map(decode_outputs, answers):
+            np.testing.assert_allclose(answer["SUM_X2"], (a + 1) * 2)
+            np.testing.assert_allclose(answer["DIFF_X3"], (a - 1) * 3)
+        # The stage ran the ensemble and each of its steps; the orchestrator forwarded it.
+        assert await success_count(stage, "diamond") == 5
+        assert await success_count(stage, "add_sub") == 5
+        assert await success_count(stage, "triple_slow") == 5
+        assert mesh.core.stages_of("diamond") == ["inference"]
+        statistics = await mesh.v2.ModelStatistics(pb.ModelStatisticsRequest(name="diamond"))
+        assert statistics.model_stats[0].inference_stats.success.count == 5
+        index = await mesh.v2.RepositoryIndex(pb.RepositoryIndexRequest())
+        rows = [(m.name, m.state) for m in index.models if m.name == "diamond"]
+        assert rows == [("diamond", "READY")]  # listed once, by the stage that serves it
+        metadata = await mesh.v2.ModelMetadata(pb.ModelMetadataRequest(name="diamond"))
+        assert metadata.platform == "ensemble"
+        assert sorted(t.name for t in metadata.outputs) == ["DIFF_X3", "SUM_X2"]
+
+    in_colocated_mesh(repo, scenario)
+
+
+def test_a_bad_input_names_the_tensor_and_the_stage_keeps_serving(repo: Path) -> None:
+    async def scenario(mesh: Mesh) -> None:
+        request = pb.ModelInferRequest(model_name="diamond")
+        encode_inputs(
+            request, {"A": np.zeros((1, 3), np.float32), "B": np.zeros((1, 4), np.float32)}
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await mesh.v2.ModelInfer(request)
+        assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "'A'" in (failed.value.details() or "")
+        a = np.zeros((1, 4), np.float32)
+        answer = decode_outputs(await mesh.v2.ModelInfer(diamond_request(a)))
+        np.testing.assert_allclose(answer["SUM_X2"], [[2, 2, 2, 2]])
+
+    in_colocated_mesh(repo, scenario)
+
+
+def test_an_ensemble_with_a_streaming_step_stays_on_the_orchestrator(repo: Path) -> None:
+    async def scenario(mesh: Mesh) -> None:
+        async with grpc.aio.insecure_channel(mesh.stages[0].address) as channel:
+            direct = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+            on_stage = await direct.RepositoryIndex(pb.RepositoryIndexRequest())
+        names = {m.name for m in on_stage.models}
+        assert {"diamond", "echo_engine"} <= names
+        assert "echo_pipeline" not in names  # a streaming step: the stage does not claim it
+        assert mesh.core.stages_of("echo_pipeline") == ["orchestrator"]
+        index = await mesh.v2.RepositoryIndex(pb.RepositoryIndexRequest())
+        rows = [(m.name, m.state) for m in index.models if m.name == "echo_pipeline"]
+        assert rows == [("echo_pipeline", "READY")]
+        request = pb.ModelInferRequest(model_name="echo_pipeline")
+        encode_inputs(request, {"IDS": np.array([5, 6, 7], dtype=np.int64)})
+        streamed = []
+        async for response in mesh.v2.ModelStreamInfer(iter([request])):
+            assert not response.error_message
+            outputs = decode_outputs(response.infer_response)
+            if "OUT" in outputs:
+                streamed.append(outputs["OUT"].tolist())
+        assert streamed == [[5], [5, 6], [5, 6, 7]]
+
+    in_colocated_mesh(repo, scenario)
+
+
+def test_unloading_an_ensemble_a_stage_serves_whole_unloads_it_there_too(repo: Path) -> None:
+    async def scenario(mesh: Mesh) -> None:
+        await mesh.v2.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="diamond"))
+        await mesh.core.router.refresh()
+        a = np.zeros((1, 4), np.float32)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await mesh.v2.ModelInfer(diamond_request(a))
+        assert failed.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
+        await mesh.v2.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="diamond"))
+        answer = decode_outputs(await mesh.v2.ModelInfer(diamond_request(a)))
+        np.testing.assert_allclose(answer["DIFF_X3"], [[-3, -3, -3, -3]])
+        assert await success_count(mesh.stages[0].address, "diamond") == 1
+
+    in_colocated_mesh(repo, scenario)
