@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +78,17 @@ async def running(
         _stage(repo, index, load or [], grace_s, local_ensembles) for index in range(replicas)
     ]
     async with _running(repo, stages, refresh_interval_s, grace_s) as mesh:
+        yield mesh
+
+
+@contextlib.asynccontextmanager
+async def running_stage(
+    repo: Path, backends: Mapping[str, Backend], grace_s: float = 1
+) -> AsyncIterator[Mesh]:
+    """One stage with ``backends`` on ``repo`` and the orchestrator, in this loop."""
+    config = StageConfig(service_name="stage-0", model_repository=repo, grace_period_s=grace_s)
+    stage = MeshServer(config, build_stage_parts(config, backends))
+    async with _running(repo, [stage], 300, grace_s) as mesh:
         yield mesh
 
 

@@ -4,7 +4,7 @@ ensembles whose every step they host run here whole (local_ensembles.py).
 On one small host a pipeline's steps then cost no gRPC hop each, as in a
 one-process server; the orchestrator, Envoy and every front door stay as they
 are, and the same models can still run as separate stages (or on other hosts)
-when they outgrow it. docs/ensembles.md#one-process-for-a-pipelines-steps.
+when they outgrow it (docs/configuration.md#stages-in-one-process).
 
 ``python -m services.colocated.main --model-repository DIR [--stages tokenizer ...]``
 (``--stages`` once per stage; default: tokenizer, preprocess, inference, postprocess)

@@ -19,9 +19,10 @@ import pytest
 
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
+from services.colocated import main as colocated
 from shared.tensors import decode_outputs, encode_inputs
-from tests.conftest import DATA
-from tests.in_process import Mesh, running
+from tests.conftest import DATA, build_repository
+from tests.in_process import Mesh, running, running_stage
 from tests.integration.test_orchestrator import DIAMOND, ensemble, scale_model
 
 # The prompt ids through the streaming echo engine: a step that streams.
@@ -150,3 +151,36 @@ def test_unloading_an_ensemble_a_stage_serves_whole_unloads_it_there_too(repo: P
         assert await success_count(mesh.stages[0].address, "diamond") == 1
 
     in_colocated_mesh(repo, scenario)
+
+
+def test_text_embedding_runs_whole_on_a_colocated_stage_and_answers_as_step_by_step(
+    prepared_repository: Path, tmp_path: Path
+) -> None:
+    """The real pipeline (MiniLM's tokenizer, MiniLM on ONNX Runtime, mean pooling)
+    on one process with the backends ``services.colocated.main`` registers: the
+    same embeddings as the orchestrator's step-by-step run on a stage without the
+    ensemble backend."""
+    names = ["text_embedding", "minilm_tokenizer", "minilm", "mean_pool"]
+    repo = build_repository(tmp_path / "repo", [], names, prepared_repository)
+    sentences = [b"A cat sits on the mat.", b"A kitten rests on a rug.", b"Stock prices fell."]
+
+    async def embed(whole: bool) -> tuple[np.ndarray, int]:
+        registered = colocated.backends(["tokenizer", "inference", "postprocess"])
+        if not whole:
+            del registered["ensemble"]
+        async with running_stage(repo, registered) as mesh:
+            request = pb.ModelInferRequest(model_name="text_embedding")
+            encode_inputs(request, {"TEXT": np.array(sentences, dtype=object).reshape(-1, 1)})
+            answer = decode_outputs(await mesh.v2.ModelInfer(request, timeout=60))
+            stage = mesh.stages[0].address
+            on_stage = await success_count(stage, "text_embedding") if whole else 0
+            return answer["EMBEDDING"], on_stage
+
+    whole, ran_there = asyncio.run(embed(whole=True))
+    stepwise, _ = asyncio.run(embed(whole=False))
+    assert ran_there == 1
+    assert whole.shape == (3, 384)
+    np.testing.assert_allclose(np.linalg.norm(whole, axis=1), 1.0, atol=1e-4)
+    np.testing.assert_allclose(whole, stepwise, atol=1e-5)
+    similar, unrelated = float(whole[0] @ whole[1]), float(whole[0] @ whole[2])
+    assert similar > unrelated + 0.2

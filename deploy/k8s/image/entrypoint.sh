@@ -11,6 +11,7 @@ case "$service" in
   tokenizer) module=services.tokenizer.main ;;
   preprocess) module=services.preprocess.main ;;
   postprocess) module=services.postprocess.main ;;
+  colocated) module=services.colocated.main ;;
   http-adapter) module=gateway.http.main ;;
   envoy) module=gateway.envoy.main ;;
   batch) module=services.batch.main ;;
@@ -35,7 +36,7 @@ case "$service" in
     exit 0 ;;
   *)
     echo "usage: meshserve-entrypoint SERVICE [FLAGS...]; SERVICE is one of:" >&2
-    echo "  orchestrator inference tokenizer preprocess postprocess http-adapter envoy batch" >&2
+    echo "  orchestrator inference tokenizer preprocess postprocess colocated http-adapter envoy batch" >&2
     echo "  prepare-models wait-for-models" >&2
     exit 2 ;;
 esac
