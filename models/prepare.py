@@ -117,9 +117,12 @@ dynamic_batching {{
   priority_levels: 2
   default_priority_level: 1
 }}
+# Two instances, each with half the cores for its operators: under load one
+# batch runs while the next forms, and a thread per operator costs less CPU per
+# image than two (docs/performance.md#ensembles-against-one-process).
 instance_group [
   {{
-    count: 1
+    count: 2
     kind: KIND_CPU
   }}
 ]
@@ -202,6 +205,13 @@ dynamic_batching {{
   priority_levels: 2
   default_priority_level: 1
 }}
+# Two instances, as mobilenet_v2_onnx's.
+instance_group [
+  {{
+    count: 2
+    kind: KIND_CPU
+  }}
+]
 """
 
 _MEAN_POOL_CONFIG = f"""\
@@ -319,6 +329,14 @@ dynamic_batching {
   priority_levels: 2
   default_priority_level: 1
 }
+# Two instances: decoding and resizing run in each instance's thread (Pillow and
+# numpy let go of the GIL), so images are prepared on two cores at once.
+instance_group [
+  {
+    count: 2
+    kind: KIND_CPU
+  }
+]
 """
 
 # Triton's ModelConfig has no top-level label_filename (protos/ follows it, so
