@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 from pydantic import Field
 
@@ -30,6 +31,7 @@ from shared.repository import ModelRepository
 from shared.server import Hook, ServiceParts
 from shared.servicer import SERVICE_NAME, InferenceServicer, add_to_server
 from shared.statistics import Metrics
+from shared.tracing import make_tracer_provider, tracer_for
 
 
 class StageConfig(ServiceConfig):
@@ -75,6 +77,8 @@ class StageContext:
     """The stage's models: a backend may call them (BLS)."""
     registry: CollectorRegistry
     """The stage's /metrics registry."""
+    tracer: trace.Tracer
+    """The stage's tracer (a no-op one when tracing is off)."""
 
 
 @runtime_checkable
@@ -88,7 +92,10 @@ class StageBackend(Protocol):
 
 def build_stage_parts(config: StageConfig, backends: Mapping[str, Backend]) -> ServiceParts:
     """The v2 servicer over a model manager with ``backends``, and its hooks."""
-    parts = ServiceParts(servicers=[], service_names=[SERVICE_NAME])
+    provider = make_tracer_provider(
+        config.service_name, config.otlp_endpoint, sample_ratio=config.trace_sample_ratio
+    )
+    parts = ServiceParts(servicers=[], service_names=[SERVICE_NAME], tracer_provider=provider)
     manager = ModelManager(
         ModelRepository(config.model_repository),
         backends,
@@ -97,7 +104,7 @@ def build_stage_parts(config: StageConfig, backends: Mapping[str, Backend]) -> S
     )
     manager.starting = True  # until load_all is done: its models are loading, not unknown
     parts.servicers = [(add_to_server, InferenceServicer(manager))]
-    context = StageContext(config, manager, parts.registry)
+    context = StageContext(config, manager, parts.registry, tracer_for(provider, "meshserve.stage"))
     starts: list[Hook] = []
     stops: list[Hook] = []
     for backend in backends.values():

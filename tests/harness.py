@@ -146,25 +146,28 @@ class ServiceProcess:
 
 
 @contextmanager
-def orchestrator_with_stage(repository: Path, *args: str) -> Iterator[ServiceProcess]:
-    """An inference stage hosting ``repository`` and an orchestrator routing to it.
+def orchestrator_with_stage(
+    repository: Path, *args: str, stage: str = "inference"
+) -> Iterator[ServiceProcess]:
+    """A ``stage`` service (``services.<stage>.main``) hosting ``repository`` and an
+    orchestrator routing to it.
 
     Yields the orchestrator; ``args`` go to both processes (e.g. an OTLP
     endpoint). Both are stopped on exit, the orchestrator first.
     """
     hosting = ["--model-repository", str(repository)]
-    stage = ServiceProcess("services.inference.main", [*hosting, *args])
+    served = ServiceProcess(f"services.{stage}.main", [*hosting, *args])
     try:
         orchestrator = ServiceProcess(
             "services.orchestrator.main",
-            [*hosting, "--stages", f"inference={stage.address}", "--metrics-port", "-1", *args],
+            [*hosting, "--stages", f"{stage}={served.address}", "--metrics-port", "-1", *args],
         )
         try:
             yield orchestrator
         finally:
             orchestrator.stop()
     finally:
-        stage.stop()
+        served.stop()
 
 
 def run_client(script: str, *args: Any, timeout: float = 240.0) -> Any:

@@ -38,10 +38,12 @@ class LocalEnsembleBackend:
 
     def __init__(self) -> None:
         self._manager: ModelManager | None = None
+        self._tracer: trace.Tracer = trace.NoOpTracer()
 
     def attach(self, stage: StageContext) -> tuple[list[Hook], list[Hook]]:
-        """Keep the stage's models: the steps run on them."""
+        """Keep the stage's models (the steps run on them) and its tracer."""
         self._manager = stage.manager
+        self._tracer = stage.tracer
         return [], []
 
     def claims(self, config: mc.ModelConfig) -> bool:
@@ -81,16 +83,16 @@ class LocalEnsembleBackend:
                 ) from exc
             models[step.model_name] = ModelIO.from_config(loaded.spec.config)
         plan = EnsemblePlan.build(model.config, models)
-        return LocalEnsemble(plan, manager)
+        return LocalEnsemble(plan, manager, self._tracer)
 
 
 class LocalEnsemble:
     """One loaded ensemble: each request's steps run on this stage's models."""
 
-    def __init__(self, plan: EnsemblePlan, manager: ModelManager) -> None:
+    def __init__(self, plan: EnsemblePlan, manager: ModelManager, tracer: trace.Tracer) -> None:
         self.plan = plan
         self._manager = manager
-        self._tracer = trace.get_tracer(__name__)
+        self._tracer = tracer
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """Run the graph on the request's inputs; its outputs, as asked for."""

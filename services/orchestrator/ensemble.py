@@ -271,18 +271,23 @@ class EnsemblePlan:
     async def _run_step(
         self, step: Step, inputs: dict[str, WireTensor], call: StepCall, tracer: trace.Tracer
     ) -> dict[str, WireTensor]:
+        if not _records(tracer):
+            return await self._call_step(step, inputs, call)
         # The step's span is the client span of its stage call (one span, not two).
         with tracer.start_as_current_span(
             self._step_span_name(step),
             kind=trace.SpanKind.CLIENT,
             attributes=self._step_attributes(step),
         ):
-            try:
-                return await call(step, inputs, list(step.output_map))
-            except MeshError as exc:
-                raise error_for_status(
-                    exc.code, f"{step.describe(self.name)}: {exc.message}"
-                ) from exc
+            return await self._call_step(step, inputs, call)
+
+    async def _call_step(
+        self, step: Step, inputs: dict[str, WireTensor], call: StepCall
+    ) -> dict[str, WireTensor]:
+        try:
+            return await call(step, inputs, list(step.output_map))
+        except MeshError as exc:
+            raise error_for_status(exc.code, f"{step.describe(self.name)}: {exc.message}") from exc
 
     @staticmethod
     def _step_span_name(step: Step) -> str:
@@ -318,6 +323,16 @@ class EnsemblePlan:
                     f"ensemble '{self.name}': input '{spec.name}' has shape "
                     f"{list(tensor.shape)}, expected {list(spec.shape)}"
                 )
+
+
+def _records(tracer: trace.Tracer) -> bool:
+    """False when a step span would not be recorded: tracing is off (a no-op
+    tracer), or the request's trace was sampled out (its spans all are). Without
+    it the caller's context stays current, as a no-op span would carry it."""
+    if isinstance(tracer, trace.NoOpTracer):
+        return False
+    context = trace.get_current_span().get_span_context()
+    return not context.is_valid or context.trace_flags.sampled
 
 
 def _inputs_of(step: Step, available: Mapping[str, WireTensor]) -> dict[str, WireTensor]:

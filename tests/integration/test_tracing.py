@@ -153,3 +153,52 @@ def test_a_request_its_caller_did_not_sample_records_no_span(
     # Every service exports in batches, the sampled request's after the other's.
     spans = receiver.wait_for(sampled_done)
     assert not [s for s in spans if s.trace_id == unsampled]
+
+
+@pytest.fixture(scope="module")
+def colocated_mesh(
+    tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver
+) -> Iterator[ServiceProcess]:
+    """The same repository on a colocated stage, which runs ``diamond`` whole."""
+    repo = tmp_path_factory.mktemp("trace-colocated")
+    shutil.copytree(DATA / "models" / "add_sub", repo / "add_sub")
+    scale_model(repo, "double_slow", 2, sleep_ms=20)
+    scale_model(repo, "triple_slow", 3, sleep_ms=20)
+    ensemble(repo, "diamond", DIAMOND)
+    arguments = ("--otlp-endpoint", receiver.endpoint)
+    with orchestrator_with_stage(repo, *arguments, stage="colocated") as orchestrator:
+        yield orchestrator
+
+
+def test_an_ensemble_run_whole_on_a_stage_traces_each_step_there(
+    colocated_mesh: ServiceProcess, receiver: OtlpReceiver
+) -> None:
+    trace_id = "3af7651916cd43dd8448eb211c80319c"
+    request = pb.ModelInferRequest(model_name="diamond")
+    encode_inputs(request, {"A": np.ones((1, 4), np.float32), "B": np.ones((1, 4), np.float32)})
+    with grpc.insecure_channel(colocated_mesh.address) as channel:
+        pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
+            request, metadata=[("traceparent", f"00-{trace_id}-{CLIENT_SPAN}-01")]
+        )
+
+    def complete(spans: list[Span]) -> bool:
+        mine = [s for s in spans if s.trace_id == trace_id]
+        stage_done = any(s.service == "colocated" and s.kind == 2 for s in mine)
+        return stage_done and any(s.service == "orchestrator" and s.kind == 2 for s in mine)
+
+    spans = [s for s in receiver.wait_for(complete) if s.trace_id == trace_id]
+    index = by_id(spans)
+    (stage,) = [s for s in spans if s.service == "colocated" and s.kind == 2]  # SERVER
+    assert stage.attributes["meshserve.model"] == "diamond"
+    client = index[stage.parent_id]  # the orchestrator forwarded it: one hop
+    assert (client.service, client.kind) == ("orchestrator", 3)
+    assert not [s for s in spans if s.service == "orchestrator" and s.name.startswith("ensemble")]
+    steps = [s for s in spans if s.name.startswith("ensemble step")]
+    assert sorted(s.attributes["meshserve.model"] for s in steps) == [
+        "add_sub",
+        "double_slow",
+        "triple_slow",
+    ]
+    for step in steps:
+        assert step.service == "colocated" and step.parent_id == stage.span_id
+        assert step.attributes["meshserve.compute_us"] > 0
