@@ -1,7 +1,7 @@
 """The local mesh supervisor: every service as its own process.
 
     python -m deploy.local.supervisor --model-repository DIR [--config mesh.yaml]
-                                      [--ports auto] [--replicas inference=2]
+                                      [--ports auto] [--replicas inference=2] [--colocate]
 
 Stage services start first; once each has printed its ready line, the
 orchestrator starts with their addresses. A process that exits unexpectedly
@@ -42,6 +42,7 @@ from typing import Any
 
 import yaml
 
+from deploy.local.colocation import colocated
 from deploy.local.http_front_door import (
     announce_front_door,
     front_door_address,
@@ -218,9 +219,15 @@ class Shutdown:
         self.stop.set()
 
 
+def read_mesh(config: Path, colocate: bool) -> dict[str, Any]:
+    """The mesh YAML; with ``colocate``, its stages in one process (colocation.py)."""
+    mesh: dict[str, Any] = yaml.safe_load(config.read_text()) or {}
+    return colocated(mesh) if colocate else mesh
+
+
 async def supervise(args: argparse.Namespace) -> int:
     """Start the mesh, print where it listens, run until SIGTERM/SIGINT."""
-    mesh = yaml.safe_load(args.config.read_text()) or {}
+    mesh = read_mesh(args.config, args.colocate)
     settings = mesh.get("supervisor") or {}
     backoff = tuple(settings.get("restart_backoff_s", [0.5, 10.0]))
     replicas = dict(item.split("=", 1) for item in args.replicas)
@@ -446,6 +453,12 @@ def add_arguments(parser: argparse.ArgumentParser, repository_default: str = "")
         action="append",
         default=[],
         help="stage=count, e.g. inference=2 (repeatable; default: the mesh YAML's counts)",
+    )
+    parser.add_argument(
+        "--colocate",
+        action="store_true",
+        help="run the tokenizer, preprocess, inference and postprocess stages in one process, "
+        "which runs the ensembles of their models whole (one hop instead of one per step)",
     )
     parser.add_argument(
         "--grace-s",

@@ -21,6 +21,7 @@ from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.tensors import decode_outputs, encode_inputs
 from tests.conftest import build_repository
 from tests.e2e.conftest import start_mesh, stop_mesh
+from tests.integration.test_orchestrator import DIAMOND, ensemble, scale_model
 
 MESH = """
 defaults: { host: 127.0.0.1, grace_period_s: 3 }
@@ -30,6 +31,10 @@ supervisor:
     - { name: inference, module: services.inference.main, replicas: 1, standby: true }
   restart_backoff_s: [0.2, 2.0]
 """
+COLOCATABLE = """stages:
+    - { name: postprocess, module: services.postprocess.main, standby: false }
+"""
+"""One more stage that ``--colocate`` puts in the same process."""
 
 
 @pytest.fixture
@@ -124,3 +129,29 @@ def test_crashed_stage_is_restarted_and_sigterm_stops_everything(mesh) -> None: 
     assert not alive(standby)
     assert not alive(next_standby)
     assert processes_mentioning(repo) == []
+
+
+def test_colocate_runs_the_stages_in_one_process_which_runs_the_ensemble(
+    tmp_path: Path,
+) -> None:
+    repo = build_repository(tmp_path / "repo", ["add_sub"], [])
+    scale_model(repo, "double_slow", 2)
+    scale_model(repo, "triple_slow", 3)
+    ensemble(repo, "diamond", DIAMOND)
+    config = tmp_path / "mesh.yaml"
+    config.write_text(MESH.replace("stages:\n", COLOCATABLE))
+    proc, info = start_mesh(repo, config, ["--grace-s", "5", "--colocate"])
+    try:
+        assert sorted(info["processes"]) == ["colocated-0", "orchestrator"]
+        request = pb.ModelInferRequest(model_name="diamond")
+        encode_inputs(request, {"A": np.ones((1, 4), np.float32), "B": np.ones((1, 4), np.float32)})
+        with grpc.insecure_channel(info["orchestrator"]) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            answer = decode_outputs(stub.ModelInfer(request, timeout=30))
+            assert answer["SUM_X2"].tolist() == [[4.0] * 4]
+            stats = stub.ModelStatistics(pb.ModelStatisticsRequest(name="diamond"))
+        (diamond,) = stats.model_stats
+        assert diamond.inference_stats.success.count == 1  # counted where it ran: the stage
+        assert diamond.version == "1"
+    finally:
+        stop_mesh(proc)

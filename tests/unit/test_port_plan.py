@@ -6,6 +6,7 @@ from pathlib import Path
 
 import yaml
 
+from deploy.local.colocation import colocated
 from deploy.local.port_plan import collisions
 from deploy.local.supervisor import DEFAULT_CONFIG, listeners, plan
 
@@ -30,3 +31,15 @@ def test_a_plan_past_the_range_names_both_processes_and_the_port() -> None:
     assert planned({"inference": 12}) == [
         "inference-0 (metrics) and inference-11 (gRPC) both want port 9103"
     ]
+
+
+def test_colocate_runs_the_four_stages_as_one_process_on_its_own_ports() -> None:
+    mesh = colocated(MESH)
+    stages, orchestrator, edge = plan(mesh, Path("/models"), False, {"colocated": 3})
+    assert [(s.name, s.module, s.standby) for s in stages] == [
+        (f"colocated-{i}", "services.colocated.main", True) for i in range(3)
+    ]
+    assert (stages[0].grpc_port, stages[0].metrics_port) == (8011, 9101)
+    assert "colocated=127.0.0.1:8011" in orchestrator.args
+    assert collisions(listeners([*stages, orchestrator, *edge])) == []
+    assert colocated(mesh) == mesh  # nothing left to put together
