@@ -5,6 +5,8 @@ The request path of a benchmark, one line per piece::
     running_mesh()   the supervisor with free ports; stopped by PID on exit, even on Ctrl-C
     Target           where load goes: prepared gRPC bytes (GrpcTarget) or HTTP (HttpTarget)
     closed_loop()    N workers send back to back; a measured window after a warm-up
+                     (workers: threads with lean blocking clients, where they need no
+                     more connections than the target has; else asyncio tasks)
     CpuUsage         CPU of the processes under test (/proc) and of the whole machine
     format_table()   the printed report
 
@@ -29,7 +31,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -42,6 +53,12 @@ import yaml
 
 from deploy.local.procfs import TICKS, child_pids, process_cpu_seconds, start_ticks
 
+# Benchmarks import this module as `common` (loadtests/ on sys.path) or as
+# `loadtests.common`; its sibling is imported by its full name either way.
+if str(Path(__file__).resolve().parent.parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from loadtests.blocking_clients import GrpcUnary, KeepAlive, Pool, host_port, prepared_post
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_REPOSITORY = Path("~/.cache/meshserve/repository")
 MESH_READY_MARKER = "MESHSERVE_MESH_READY"
@@ -50,6 +67,8 @@ INFER_METHOD = f"/{V2_SERVICE}/ModelInfer"
 
 Call = Callable[[], Awaitable[None]]
 """One request, awaited to its end; raises on failure."""
+BlockingCall = Callable[[], None]
+"""One request, run to its end on the calling thread; raises on failure."""
 Probe = Callable[[], Awaitable[Any]]
 """State read at both edges of a measured window (e.g. ModelStatistics)."""
 
@@ -285,8 +304,29 @@ class Target(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class DualCall:
+    """One request two ways: awaited on the event loop (``await call()``: a ``Call``), or
+    run to its end on a worker thread (``call.blocking()``); ``closed_loop`` picks."""
+
+    awaited: Call
+    blocking: BlockingCall
+    connections: int
+    """How many connections the awaited way spreads its workers over: the blocking way
+    opens one per thread, so at most this many threads may share the call."""
+
+    def __call__(self) -> Awaitable[None]:
+        """The awaited way."""
+        return self.awaited()
+
+
 class GrpcTarget:
-    """Pre-serialised requests to one gRPC method over several HTTP/2 connections."""
+    """Pre-serialised requests to one gRPC method over several HTTP/2 connections.
+
+    Each connection is a grpc.aio channel for the event loop, and a pool of
+    ``GrpcUnary`` sockets (``blocking_clients``) for worker threads, one per
+    thread that uses it; both connect on their first call.
+    """
 
     def __init__(self, address: str, method: str, payload: bytes, connections: int) -> None:
         # A local subchannel pool gives each channel its own TCP connection.
@@ -297,10 +337,22 @@ class GrpcTarget:
         # No serializers: the request goes out as the prepared bytes, the reply stays bytes.
         self._calls = [channel.unary_unary(method) for channel in self._channels]
         self._payload = payload
+        where = host_port(address)
+        # Worker threads only where the address is host:port (not unix:, dns:///...).
+        self._pools = (
+            [Pool(lambda: GrpcUnary(*where, method, payload)) for _ in range(connections)]
+            if where is not None
+            else []
+        )
 
     def calls(self) -> list[Call]:
         """One call per connection; worker i uses call i modulo their number."""
-        return [self._bind(call) for call in self._calls]
+        if not self._pools:
+            return [self._bind(call) for call in self._calls]
+        return [
+            DualCall(self._bind(call), pool.call, 1)
+            for call, pool in zip(self._calls, self._pools, strict=True)
+        ]
 
     def _bind(self, call: Any) -> Call:
         payload = self._payload
@@ -311,23 +363,31 @@ class GrpcTarget:
         return one
 
     async def close(self) -> None:
-        """Close every channel."""
+        """Close every channel and socket."""
         await asyncio.gather(*(channel.close() for channel in self._channels))
+        for pool in self._pools:
+            pool.close()
 
 
 class HttpTarget:
-    """One prepared HTTP POST over a keep-alive connection pool (aiohttp)."""
+    """One prepared HTTP POST over keep-alive connections, one per worker: aiohttp's pool
+    for the event loop, ``KeepAlive`` sockets (``blocking_clients``) for worker threads."""
 
-    def __init__(self, url: str, body: bytes, connections: int) -> None:
+    def __init__(
+        self, url: str, body: bytes, connections: int, headers: Mapping[str, str] | None = None
+    ) -> None:
         # HTTP/1.1 carries one request per connection at a time: one connection per worker.
+        self._connections = connections
         connector = aiohttp.TCPConnector(limit=connections, force_close=False)
         self._session = aiohttp.ClientSession(connector=connector)
         self._url, self._body = url, body
-        self._headers = {"content-type": "application/json"}
+        self._headers = dict(headers or {"content-type": "application/json"})
+        host, port, request = prepared_post(url, body, self._headers)
+        self._pool = Pool(lambda: KeepAlive(host, port, request))
 
     def calls(self) -> list[Call]:
-        """One call for every worker (the pool hands out connections)."""
-        return [self.post]
+        """One call for every worker (the pools hand out connections)."""
+        return [DualCall(self.post, self._pool.call, self._connections)]
 
     async def post(self) -> None:
         """Send the body; read the whole reply; raise unless 200."""
@@ -343,8 +403,9 @@ class HttpTarget:
             return await reply.json()
 
     async def close(self) -> None:
-        """Close the pool."""
+        """Close both pools."""
         await self._session.close()
+        self._pool.close()
 
 
 # -- closed-loop load ----------------------------------------------------------
@@ -358,8 +419,6 @@ class _Window:
     closed: bool = False
     latencies_ns: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
-    total: int = 0
-    """Every completion, warm-up and drain included."""
 
 
 @dataclass(frozen=True)
@@ -453,8 +512,11 @@ class LoadResult:
         return max(1, self.completed)
 
 
-async def _worker(call: Call, window: _Window) -> None:
-    """Send back to back; record latencies (and errors) that end inside the window."""
+async def _worker(call: Call, window: _Window) -> int:
+    """Send back to back; record latencies (and errors) that end inside the window.
+
+    Returns the requests completed, warm-up and drain included."""
+    completed = 0
     while not window.closed:
         started = time.perf_counter_ns()
         try:
@@ -464,9 +526,82 @@ async def _worker(call: Call, window: _Window) -> None:
                 window.errors.append(f"{type(exc).__name__}: {exc}"[:300])
             await asyncio.sleep(0.05)  # no hot loop against a failing server
             continue
-        window.total += 1
+        completed += 1
         if window.open:
             window.latencies_ns.append(time.perf_counter_ns() - started)
+    return completed
+
+
+def _thread_worker(call: BlockingCall, window: _Window) -> int:
+    """``_worker`` on a thread of its own, with a blocking call."""
+    completed = 0
+    while not window.closed:
+        started = time.perf_counter_ns()
+        try:
+            call()
+        except Exception as exc:  # as _worker
+            if window.open:
+                window.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+            time.sleep(0.05)
+            continue
+        completed += 1
+        if window.open:
+            window.latencies_ns.append(time.perf_counter_ns() - started)
+    return completed
+
+
+def _blocking(calls: Sequence[Call], in_flight: int) -> list[BlockingCall] | None:
+    """The calls' blocking ways where threads carry this load, else None.
+
+    Threads, with the lean clients of ``blocking_clients``, wherever they open no
+    more connections than the event loop's workers would. At 1 in flight the rate
+    is the inverse of the latency and the client's own CPU is on every request's
+    path: grpc.aio and aiohttp cost several times what perf_analyzer's C++ client
+    does per call, so the closed loop read a slower server than perf_analyzer did;
+    a blocking client on a thread costs less than perf_analyzer. With many in
+    flight on a small host the client's CPU comes out of the server's, and the
+    threads still cost less per call than the event loop, GIL and all. But the
+    blocking gRPC client makes one call at a time per connection: more workers
+    than a GrpcTarget's connections stay on the event loop, whose HTTP/2
+    connections carry several calls each (and perf_analyzer is given as many).
+    """
+    dual = [call for call in calls if isinstance(call, DualCall)]
+    sharing = -(-in_flight // max(1, len(calls)))  # workers per call, round robin
+    if len(dual) < len(calls) or any(sharing > call.connections for call in dual):
+        return None
+    return [call.blocking for call in dual]
+
+
+@contextlib.asynccontextmanager
+async def _running(
+    calls: Sequence[Call], in_flight: int, window: _Window
+) -> AsyncIterator[list[asyncio.Future[int]]]:
+    """``in_flight`` workers over ``calls`` (round robin), on threads or as tasks; on exit
+    they are stopped and waited for."""
+    blocking = _blocking(calls, in_flight)
+    threads = ThreadPoolExecutor(in_flight, "closed-loop") if blocking else None
+    workers: list[asyncio.Future[int]]
+    if threads is not None and blocking is not None:
+        loop = asyncio.get_running_loop()
+        workers = [
+            loop.run_in_executor(threads, _thread_worker, blocking[i % len(blocking)], window)
+            for i in range(in_flight)
+        ]
+    else:
+        workers = [
+            asyncio.create_task(_worker(calls[i % len(calls)], window)) for i in range(in_flight)
+        ]
+    try:
+        yield workers
+    finally:
+        window.closed = True
+        for worker in workers:
+            worker.cancel()  # a task stops now; a thread after its call
+        await asyncio.gather(*workers, return_exceptions=True)
+        if threads is not None:
+            # Not waited for: after an error a thread may be inside a call that only the
+            # target's close() ends.
+            threads.shutdown(wait=False)
 
 
 async def closed_loop(
@@ -479,14 +614,12 @@ async def closed_loop(
 ) -> LoadResult:
     """``in_flight`` workers over ``calls`` (round robin): warm up, settle, measure a window.
 
+    Each worker is a thread sending blocking calls where every call is a
+    ``DualCall`` with a connection for each (``_blocking``); otherwise an asyncio task.
     ``probe`` runs just outside both window edges, so its own cost stays out.
     """
     window = _Window()
-    workers = [
-        asyncio.create_task(_worker(calls[index % len(calls)], window))
-        for index in range(in_flight)
-    ]
-    try:
+    async with _running(calls, in_flight, window) as workers:
         await asyncio.sleep(settings.warmup_s)
         await settle(pids, settings.settle_s)
         first = await probe() if probe else None
@@ -497,18 +630,13 @@ async def closed_loop(
         after = sample_cpu(pids)
         last = await probe() if probe else None
         window.closed = True
-        await asyncio.gather(*workers)
-    finally:
-        window.closed = True
-        for task in workers:
-            task.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
+        total = sum(await asyncio.gather(*workers))
     if window.errors:
         print(f"  {label}@{in_flight}: {len(window.errors)} errors, first: {window.errors[0]}")
     latencies = np.asarray(window.latencies_ns, dtype=np.float64) / 1e6
     usage = CpuUsage.between(before, after)
     errors = len(window.errors)
-    return LoadResult(label, in_flight, latencies, errors, usage, (first, last), window.total)
+    return LoadResult(label, in_flight, latencies, errors, usage, (first, last), total)
 
 
 def best_runs(runs: Iterable[LoadResult]) -> list[LoadResult]:

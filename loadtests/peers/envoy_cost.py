@@ -45,6 +45,7 @@ from common import (
     INFER_METHOD,
     Call,
     GrpcTarget,
+    HttpTarget,
     LoadResult,
     LoadSettings,
     closed_loop,
@@ -55,7 +56,7 @@ from common import (
 from peers import report, servers
 from peers.model import MODEL, mesh_repository, write_torchscript
 from peers.torchserve import free_port
-from peers.ways import GRPC_CONNECTIONS, PostTarget, grpc_payload, rest_binary
+from peers.ways import GRPC_CONNECTIONS, grpc_payload, rest_binary
 
 from deploy.local.procfs import TICKS
 from gateway.envoy.config import build_config
@@ -312,7 +313,7 @@ async def measure(
     if rest:
         body, headers = rest_binary()
         url = f"http://{address}/v2/models/{MODEL}/infer"
-        target: GrpcTarget | PostTarget = PostTarget(url, body, headers, in_flight)
+        target: GrpcTarget | HttpTarget = HttpTarget(url, body, in_flight, headers)
     else:
         connections = min(in_flight, GRPC_CONNECTIONS)
         target = GrpcTarget(address, INFER_METHOD, grpc_payload(MODEL), connections)

@@ -7,7 +7,8 @@
     torchserve  REST ``/predictions/<model>`` with ``{"data": [...]}`` (batching 8 / 5 ms)
     fastapi     ``/predict`` with ``{"data": [...]}``
 
-Bodies are built once; gRPC goes out as prepared bytes (``common.GrpcTarget``).
+Bodies are built once; gRPC goes out as prepared bytes (``common.GrpcTarget``), HTTP as
+a prepared POST (``common.HttpTarget``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import aiohttp
 import numpy as np
-from common import INFER_METHOD, Call, GrpcTarget, Target
+from common import INFER_METHOD, GrpcTarget, HttpTarget, Target
 from peers.model import BATCHED, MODEL, sample_row
 from peers.servers import Running
 
@@ -27,30 +27,6 @@ from shared.tensors import encode_inputs
 
 GRPC_CONNECTIONS = 4
 HEADER_LENGTH = "Inference-Header-Content-Length"
-
-
-class PostTarget:
-    """One prepared HTTP POST with its headers, one keep-alive connection per worker."""
-
-    def __init__(self, url: str, body: bytes, headers: dict[str, str], connections: int) -> None:
-        connector = aiohttp.TCPConnector(limit=connections)
-        self._session = aiohttp.ClientSession(connector=connector)
-        self._url, self._body, self._headers = url, body, headers
-
-    def calls(self) -> list[Call]:
-        """One call shared by every worker (the pool hands out connections)."""
-        return [self.post]
-
-    async def post(self) -> None:
-        """Send the body, read the whole answer; raise unless 200."""
-        async with self._session.post(self._url, data=self._body, headers=self._headers) as reply:
-            answer = await reply.read()
-            if reply.status != 200:
-                raise RuntimeError(f"HTTP {reply.status}: {answer[:200]!r}")
-
-    async def close(self) -> None:
-        """Close the pool."""
-        await self._session.close()
 
 
 @dataclass(frozen=True)
@@ -116,7 +92,7 @@ def _grpc(address: Callable[[Running], str], model: str) -> Callable[[Running, i
 
 
 def _post(path: str, body: bytes, headers: dict[str, str]) -> Callable[[Running, int], Target]:
-    return lambda run, n: PostTarget(f"http://{run.http}{path}", body, headers, n)
+    return lambda run, n: HttpTarget(f"http://{run.http}{path}", body, n, headers)
 
 
 def all_ways() -> list[Way]:

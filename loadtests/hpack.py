@@ -1,0 +1,175 @@
+"""HPACK (RFC 7541), as much as the closed loop's gRPC client needs
+(blocking_clients.GrpcUnary): the header block of its one kind of request, and a
+decoder that reads the answers' header blocks with the dynamic table kept in step."""
+
+from __future__ import annotations
+
+# One string, as the RFC's table reads: 61 names in order.
+_STATIC_NAMES = (  # noqa: SIM905
+    ":authority :method :method :path :path :scheme :scheme :status :status :status :status "
+    ":status :status :status accept-charset accept-encoding accept-language accept-ranges "
+    "accept access-control-allow-origin age allow authorization cache-control "
+    "content-disposition content-encoding content-language content-length content-location "
+    "content-range content-type cookie date etag expect expires from host if-match "
+    "if-modified-since if-none-match if-range if-unmodified-since last-modified link "
+    "location max-forwards proxy-authenticate proxy-authorization range referer refresh "
+    "retry-after server set-cookie strict-transport-security transfer-encoding user-agent "
+    "vary via www-authenticate"
+).split()
+_STATIC_VALUES = {2: "GET", 3: "POST", 4: "/", 5: "/index.html", 6: "http", 7: "https"}
+_STATIC_VALUES |= {8: "200", 9: "204", 10: "206", 11: "304", 12: "400", 13: "404", 14: "500"}
+_STATIC_VALUES |= {16: "gzip, deflate"}
+STATIC_TABLE = [
+    (name.encode(), _STATIC_VALUES.get(index, "").encode())
+    for index, name in enumerate(_STATIC_NAMES, 1)
+]
+"""RFC 7541 Appendix A: entries 1 to 61."""
+
+_HUFFMAN_LENGTHS = (
+    "ISXXXXXXXTZXXZXXXXXXXXZXXXXXXXXXBFFHIBDGFFDGDBBBAAABBBBBBBCDKBHFIBCCCCCCCCCCCCCCCCCCCCCCDCD"
+    "IOIJBKABABABBBACCBBBABCBAABCCCCCKGJIXPRPPRRRSRSSSSSTSTTRSTSSSSQRSRSSTRQPRRSSQSRRTQRSSQQRQSR"
+    "SSPRRRSRRSVVPORSRUVVVWWVTUOQVWWVWTQQVVXWWWPTPQRQQSRRUUTTVSVWVVWWWWWXWWWWWVZ"
+)
+"""The bit length of each symbol's code (RFC 7541 Appendix B; "A" is 5 bits), 0-255 and
+EOS. The code is canonical: codes of one length count up in symbol order, so the
+lengths alone give every code."""
+
+
+def _huffman_codes() -> dict[tuple[int, int], int]:
+    lengths = [ord(letter) - ord("A") + 5 for letter in _HUFFMAN_LENGTHS]
+    codes: dict[tuple[int, int], int] = {}
+    code = previous = 0
+    for symbol in sorted(range(257), key=lambda s: (lengths[s], s)):
+        code <<= lengths[symbol] - previous
+        previous = lengths[symbol]
+        codes[previous, code] = symbol
+        code += 1
+    return codes
+
+
+HUFFMAN_CODES = _huffman_codes()
+"""(bit length, code) -> symbol (256: EOS)."""
+
+
+def huffman_decode(data: bytes) -> bytes:
+    """A Huffman-coded string literal (RFC 7541 5.2)."""
+    out, code, bits = bytearray(), 0, 0
+    for byte in data:
+        for shift in range(7, -1, -1):
+            code, bits = (code << 1) | ((byte >> shift) & 1), bits + 1
+            symbol = HUFFMAN_CODES.get((bits, code)) if bits >= 5 else None
+            if symbol is not None:
+                if symbol == 256:
+                    raise ValueError("EOS inside a Huffman-coded string")
+                out.append(symbol)
+                code, bits = 0, 0
+    if bits > 7 or code != (1 << bits) - 1:
+        raise ValueError("bad padding after a Huffman-coded string")
+    return bytes(out)
+
+
+def _integer(block: bytes, pos: int, prefix: int) -> tuple[int, int]:
+    """An integer with a ``prefix``-bit prefix at ``pos`` (RFC 7541 5.1); and where it ends."""
+    mask = (1 << prefix) - 1
+    value, pos = block[pos] & mask, pos + 1
+    shift = 0
+    while value >= mask:
+        byte, pos = block[pos], pos + 1
+        value += (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            break
+    return value, pos
+
+
+def _string(block: bytes, pos: int) -> tuple[bytes, int]:
+    coded = block[pos] & 0x80
+    size, pos = _integer(block, pos, 7)
+    if pos + size > len(block):
+        raise ValueError("a header string runs past its block")
+    raw = block[pos : pos + size]
+    return (huffman_decode(raw) if coded else raw), pos + size
+
+
+def _encoded_integer(value: int, prefix: int, flags: int) -> bytes:
+    mask = (1 << prefix) - 1
+    if value < mask:
+        return bytes((flags | value,))
+    out, value = bytearray((flags | mask,)), value - mask
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes((*out, value))
+
+
+def _field(name_index: int, name: bytes, value: bytes) -> bytes:
+    """A field "without indexing" (RFC 7541 6.2.2): no table state on either side."""
+    out = _encoded_integer(name_index, 4, 0x00)
+    if not name_index:
+        out += _encoded_integer(len(name), 7, 0x00) + name
+    return out + _encoded_integer(len(value), 7, 0x00) + value
+
+
+def request_headers(method: str, authority: str) -> bytes:
+    """The header block of a unary gRPC call (static indices: 3 POST, 6 http, 4 :path,
+    1 :authority, 31 content-type)."""
+    block = b"\x83\x86" + _field(4, b"", method.encode()) + _field(1, b"", authority.encode())
+    return block + _field(31, b"", b"application/grpc") + _field(0, b"te", b"trailers")
+
+
+class HeaderDecoder:
+    """HPACK: header blocks -> fields, with the dynamic table kept in step."""
+
+    def __init__(self, max_size: int = 4096) -> None:
+        self._table: list[tuple[bytes, bytes]] = []
+        """Newest first: index 62 is ``_table[0]``."""
+        self._size, self._max, self._limit = 0, max_size, max_size
+
+    def decode(self, block: bytes) -> dict[bytes, bytes]:
+        """The fields of one whole header block."""
+        fields: dict[bytes, bytes] = {}
+        pos = 0
+        while pos < len(block):
+            first = block[pos]
+            if first & 0x80:  # indexed field
+                index, pos = _integer(block, pos, 7)
+                name, value = self._entry(index)
+            elif first & 0x40:  # literal, added to the table
+                name, value, pos = self._literal(block, pos, 6)
+                self._add(name, value)
+            elif first & 0x20:  # dynamic table size update
+                self._max, pos = _integer(block, pos, 5)
+                if self._max > self._limit:
+                    raise ValueError("HPACK table size above the one we allow")
+                self._evict()
+                continue
+            else:  # literal, not indexed (0000) or never indexed (0001)
+                name, value, pos = self._literal(block, pos, 4)
+            fields[name] = value
+        return fields
+
+    def _literal(self, block: bytes, pos: int, prefix: int) -> tuple[bytes, bytes, int]:
+        index, pos = _integer(block, pos, prefix)
+        if index:
+            name = self._entry(index)[0]
+        else:
+            name, pos = _string(block, pos)
+        value, pos = _string(block, pos)
+        return name, value, pos
+
+    def _entry(self, index: int) -> tuple[bytes, bytes]:
+        if 0 < index <= len(STATIC_TABLE):
+            return STATIC_TABLE[index - 1]
+        if 0 <= index - len(STATIC_TABLE) - 1 < len(self._table):
+            return self._table[index - len(STATIC_TABLE) - 1]
+        raise ValueError(f"HPACK index {index} is not in the table")
+
+    def _add(self, name: bytes, value: bytes) -> None:
+        self._table.insert(0, (name, value))
+        self._size += 32 + len(name) + len(value)
+        self._evict()
+
+    def _evict(self) -> None:
+        while self._size > self._max:
+            name, value = self._table.pop()
+            self._size -= 32 + len(name) + len(value)
