@@ -64,7 +64,7 @@ def preload(argv: Sequence[str]) -> None:
     inference stage's, when this process hosts it."""
     config = load_config(ColocatedConfig, argv, service="colocated")
     if "inference" in config.stages:
-        inference.preload(argv)
+        inference.import_backends(config)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

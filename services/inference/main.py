@@ -59,6 +59,11 @@ def preload(argv: Sequence[str]) -> None:
     in processes of its own, but the client's import would hold the GIL, and with
     it the event loop, for seconds while the other models serve."""
     config = load_config(InferenceConfig, argv, service="inference")
+    import_backends(config)
+
+
+def import_backends(config: StageConfig) -> None:
+    """The imports of ``preload`` for the models a stage with ``config`` loads."""
     repository = ModelRepository(config.model_repository)
     names = config.load_models or repository.names()
     backends = {repository.declared_backend(name) for name in names if repository.has(name)}
