@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -27,13 +28,18 @@ CLIENT_SPAN = "b7ad6b7169203331"
 def mesh(
     tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver
 ) -> Iterator[ServiceProcess]:
-    repo = tmp_path_factory.mktemp("trace-repo")
+    repo = diamond_repository(tmp_path_factory.mktemp("trace-repo"))
+    with orchestrator_with_stage(repo, "--otlp-endpoint", receiver.endpoint) as orchestrator:
+        yield orchestrator
+
+
+def diamond_repository(repo: Path) -> Path:
+    """``diamond`` and its three steps (two of them 20 ms slow) in ``repo``."""
     shutil.copytree(DATA / "models" / "add_sub", repo / "add_sub")
     scale_model(repo, "double_slow", 2, sleep_ms=20)
     scale_model(repo, "triple_slow", 3, sleep_ms=20)
     ensemble(repo, "diamond", DIAMOND)
-    with orchestrator_with_stage(repo, "--otlp-endpoint", receiver.endpoint) as orchestrator:
-        yield orchestrator
+    return repo
 
 
 def by_id(spans: list[Span]) -> dict[str, Span]:
@@ -160,11 +166,7 @@ def colocated_mesh(
     tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver
 ) -> Iterator[ServiceProcess]:
     """The same repository on a colocated stage, which runs ``diamond`` whole."""
-    repo = tmp_path_factory.mktemp("trace-colocated")
-    shutil.copytree(DATA / "models" / "add_sub", repo / "add_sub")
-    scale_model(repo, "double_slow", 2, sleep_ms=20)
-    scale_model(repo, "triple_slow", 3, sleep_ms=20)
-    ensemble(repo, "diamond", DIAMOND)
+    repo = diamond_repository(tmp_path_factory.mktemp("trace-colocated"))
     arguments = ("--otlp-endpoint", receiver.endpoint)
     with orchestrator_with_stage(repo, *arguments, stage="colocated") as orchestrator:
         yield orchestrator
