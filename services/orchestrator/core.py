@@ -309,7 +309,7 @@ class Orchestrator:
         """Triton's statistics of one model, or of every model (no name); a route's
         are its primary's."""
         name, version = self.resolve(name, version)
-        if name in self.ensembles.stats and not self.router.hosts(name):
+        if name in self.ensembles.stats and not self.ensembles.served_whole(name):
             _check_version(name, version)
             return [self._ensemble_stats(name)]
         request = pb.ModelStatisticsRequest(name=name, version=version)
@@ -322,7 +322,7 @@ class Orchestrator:
         stats = [
             self._ensemble_stats(ensemble)
             for ensemble in self.ensembles.stats
-            if not self.router.hosts(ensemble)
+            if not self.ensembles.served_whole(ensemble)
         ]
         for endpoint in [e for e in self.router.endpoints if e.ready]:
             try:

@@ -48,9 +48,11 @@ class EnsembleRegistry:
         self.repository = repository
         self._fetch_config = fetch_config
         self._metrics = metrics
-        self._served_whole = served_whole
-        """True for an ensemble a ready stage serves whole (services/colocated/): its
-        requests go there as a stage model's do, and it does not run here."""
+        self._stage_serves = served_whole
+        """True when a ready stage serves a model of that name: for an ensemble of
+        the repository, the stage runs it whole (services/colocated/)."""
+        self._from_repository: set[str] = set()
+        """Loaded plans read from the repository (not derived, as an adapter's is)."""
         self.plans: dict[str, EnsemblePlan] = {}
         self.failed: dict[str, str] = {}
         self.stats: dict[str, StatsRecorder] = {}
@@ -90,6 +92,7 @@ class EnsembleRegistry:
 
     async def load(self, name: str, config: mc.ModelConfig | None = None) -> EnsemblePlan:
         """Validate and (re)load one ensemble; raises naming the step on error."""
+        from_repository = config is None
         if config is None:
             if self.repository is None:
                 raise NotFound(f"Request for unknown model: '{name}' is not found")
@@ -108,6 +111,10 @@ class EnsembleRegistry:
             self.plans.pop(name, None)
             raise
         self.plans[name] = plan
+        if from_repository:
+            self._from_repository.add(name)
+        else:
+            self._from_repository.discard(name)
         self.failed.pop(name, None)
         self.stats.setdefault(name, StatsRecorder(name, ENSEMBLE_VERSION, self._metrics))
         log.info("ensemble '%s' ready (%d steps)", name, len(plan.steps))
@@ -132,15 +139,21 @@ class EnsembleRegistry:
         """Stop serving an ensemble."""
         if self.plans.pop(name, None) is None:
             raise NotFound(f"model '{name}' is not loaded")
+        self._from_repository.discard(name)
+
+    def served_whole(self, name: str) -> bool:
+        """True for an ensemble of the repository that a ready stage runs whole: its
+        requests go there as a stage model's do, and it does not run here."""
+        return name in self._from_repository and self._stage_serves(name)
 
     def runs_here(self, name: str) -> bool:
         """True when the ensemble ``name`` is loaded here and no stage serves it whole."""
-        return name in self.plans and not self._served_whole(name)
+        return name in self.plans and not self.served_whole(name)
 
     def get(self, name: str) -> EnsemblePlan | None:
         """The plan, or None when ``name`` is not an ensemble run here (a stage
         model, or an ensemble a stage serves whole); raises if it failed here."""
-        if self._served_whole(name):
+        if self.served_whole(name):
             return None
         plan = self.plans.get(name)
         if plan is None and name in self.failed:
