@@ -22,7 +22,7 @@ In order:
    to the local trace store; bench_tracing.py measures what that costs);
    ``--layout colocated`` runs the steps' stages in one process instead
    (services/colocated/: it runs the ensemble whole), ``both`` one mesh then the other;
-3. closed-loop grpc.aio load on the orchestrator (ModelInfer of the ensemble,
+3. closed-loop load on the orchestrator (common.closed_loop; ModelInfer of the ensemble,
    one input per request, several HTTP/2 connections) at each in-flight level,
    warmed up before a measured window; CPU of each mesh process from /proc;
    per-stage server-side time from ModelStatistics across the window;
@@ -85,6 +85,7 @@ from common import _stop_mesh as stop_mesh
 from common import _wait_ready as wait_ready
 from pipeline_floor import FLOORS, StepFloor
 
+from deploy.local.colocation import colocated
 from deploy.local.procfs import start_ticks
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
@@ -620,8 +621,7 @@ def pipeline_mesh(source: Path, pipe: Pipeline, tracing: bool) -> Iterator[MeshI
         supervisor["trace_store"] = tracing
         supervisor["jobs"] = {"enabled": False}
         if pipe.colocated:
-            module = "services.colocated.main"
-            supervisor["stages"] = [{"name": "colocated", "module": module, "replicas": 1}]
+            document = colocated(document)  # as `meshserve serve --colocate` does
         config = folder / "mesh.yaml"
         config.write_text(yaml.safe_dump(document, sort_keys=False))
         proc = start_supervisor(repository, config, folder / "mesh.log", 180.0)
@@ -658,10 +658,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     floor_results = measure_floor(floor, data, settings)
     payload = infer_payload(pipe, data)
-    for colocated in settings.layouts:
-        layout = replace(pipe, colocated=colocated)
+    for one_process in settings.layouts:
+        layout = replace(pipe, colocated=one_process)
         mesh_results = asyncio.run(mesh_run(layout, payload, settings))
-        print(f"\n== stages {'in one process' if colocated else 'each in its own process'}")
+        print(f"\n== stages {'in one process' if one_process else 'each in its own process'}")
         print_report(layout, floor_results, mesh_results)
     return 0
 

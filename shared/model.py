@@ -420,6 +420,9 @@ class ModelVersion:
                 self.validate(request)
                 response = await self.on_loop.infer(request)
                 request.queue_start_ns = request.compute_start_ns = started
+                # One execution per request, as the orchestrator counts its ensembles'.
+                rows = request.batch_size(self.batched)
+                self.stats.batch_done(rows, 0, time.monotonic_ns() - started, 0)
             elif not self.ready or self.batcher is None:
                 raise Unavailable(f"model '{self.name}' version {self.version} is not ready")
             else:

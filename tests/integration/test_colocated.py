@@ -84,7 +84,9 @@ def test_an_ensemble_of_one_stages_models_runs_there_whole(repo: Path) -> None:
         assert await success_count(stage, "triple_slow") == 5
         assert mesh.core.stages_of("diamond") == ["inference"]
         statistics = await mesh.v2.ModelStatistics(pb.ModelStatisticsRequest(name="diamond"))
-        assert statistics.model_stats[0].inference_stats.success.count == 5
+        (diamond,) = statistics.model_stats
+        assert diamond.inference_stats.success.count == 5
+        assert (diamond.execution_count, diamond.inference_count) == (5, 10)  # 2 rows each
         index = await mesh.v2.RepositoryIndex(pb.RepositoryIndexRequest())
         rows = [(m.name, m.state) for m in index.models if m.name == "diamond"]
         assert rows == [("diamond", "READY")]  # listed once, by the stage that serves it
