@@ -551,7 +551,7 @@ def print_report(pipe: Pipeline, floor: FloorRuns, mesh: Sequence[LoadResult]) -
     """The two tables, the hop breakdown and the ratios."""
     print()
     print(throughput_table(pipe, floor, mesh))
-    print("(CPU ms/req: floor = this process; mesh = orchestrator + 3 stages; others = cores")
+    print("(CPU ms/req: floor = this process; mesh = orchestrator + stages; others = cores")
     print(" used meanwhile by processes outside the measurement)")
     print()
     print(stage_table(pipe, floor, mesh))
