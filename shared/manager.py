@@ -82,7 +82,7 @@ class ModelManager:
 
     def hosts(self, config: mc.ModelConfig) -> bool:
         """True when one of this service's backends runs the model."""
-        backend = self.backends.get(self._backend_name(config.backend or config.platform))
+        backend = self._backend(config.backend or config.platform)
         if isinstance(backend, LoopBackend):
             return backend.claims(config)
         return backend is not None
@@ -97,13 +97,13 @@ class ModelManager:
             declared = self.repository.declared_backend(name)
             if declared is None:
                 return True
-            backend = self.backends.get(self._backend_name(declared))
+            backend = self._backend(declared)
             return backend is not None and not isinstance(backend, LoopBackend)
 
-    @staticmethod
-    def _backend_name(key: str) -> str:
+    def _backend(self, key: str) -> Backend | None:
+        """The registered backend a config's ``backend`` (or ``platform``) names."""
         aliases = {"pytorch_libtorch": "pytorch", "onnxruntime_onnx": "onnxruntime"}
-        return aliases.get(key, key)
+        return self.backends.get(aliases.get(key, key))
 
     async def load_all(self, names: Iterable[str] | None = None) -> None:
         """Load the given models, or every model this service hosts; one that
@@ -131,7 +131,7 @@ class ModelManager:
         for name in names:
             try:
                 key = self.repository.config(name)
-                backend = self.backends.get(self._backend_name(key.backend or key.platform))
+                backend = self._backend(key.backend or key.platform)
             except MeshError:
                 backend = None  # its load reports the error, among the first
             if isinstance(backend, LoopBackend):
@@ -178,7 +178,7 @@ class ModelManager:
     async def _load_versions(self, entry: ModelEntry) -> list[ModelVersion]:
         """Build and load every selected version of ``entry``; all or none."""
         key = entry.config.backend or entry.config.platform
-        backend = self.backends.get(self._backend_name(key))
+        backend = self._backend(key)
         if backend is None:
             raise InvalidArgument(
                 f"model '{entry.name}': backend '{key}' is not served here"

@@ -302,14 +302,16 @@ class ModelVersion:
         """Create the instances, warm them up, start batching (decoupled: start streaming)."""
         self.state = "LOADING"
         try:
-            # Off the loop: it may import torch, seconds in which no RPC would be answered.
-            specs = instance_specs(self.spec.config, await asyncio.to_thread(cuda_device_count))
             if isinstance(self.backend, LoopBackend):
-                self.on_loop = await self.backend.open(self.spec)
-            elif self.decoupled:
-                await self._load_streaming(specs)
+                self.on_loop = await self.backend.open(self.spec)  # no instances to lay out
             else:
-                await self._load_threaded(specs)
+                # Off the loop: it may import torch, seconds in which no RPC would be answered.
+                cuda_devices = await asyncio.to_thread(cuda_device_count)
+                specs = instance_specs(self.spec.config, cuda_devices)
+                if self.decoupled:
+                    await self._load_streaming(specs)
+                else:
+                    await self._load_threaded(specs)
             await self._warmup()
             if self.batcher is not None:
                 await self.batcher.start()
