@@ -45,7 +45,7 @@ class Mesh:
 
 
 def _stage(
-    repo: Path, index: int, load: list[str], grace_s: float, local_ensembles: bool
+    repo: Path, index: int, load: list[str], grace_s: float, backends: Mapping[str, Backend]
 ) -> MeshServer:
     config = StageConfig(
         service_name=f"inference-{index}",
@@ -53,10 +53,14 @@ def _stage(
         load_models=load,
         grace_period_s=grace_s,
     )
+    return MeshServer(config, build_stage_parts(config, backends))
+
+
+def _python_backends(local_ensembles: bool) -> dict[str, Backend]:
     backends: dict[str, Backend] = {"python": PythonBackend()}
     if local_ensembles:  # as services/colocated/main.py registers it
         backends["ensemble"] = LocalEnsembleBackend()
-    return MeshServer(config, build_stage_parts(config, backends))
+    return backends
 
 
 @contextlib.asynccontextmanager
@@ -75,7 +79,8 @@ async def running(
     With ``local_ensembles`` the stages run the ensembles of their own models whole.
     """
     stages = [
-        _stage(repo, index, load or [], grace_s, local_ensembles) for index in range(replicas)
+        _stage(repo, index, load or [], grace_s, _python_backends(local_ensembles))
+        for index in range(replicas)
     ]
     async with _running(repo, stages, refresh_interval_s, grace_s) as mesh:
         yield mesh
@@ -86,8 +91,7 @@ async def running_stage(
     repo: Path, backends: Mapping[str, Backend], grace_s: float = 1
 ) -> AsyncIterator[Mesh]:
     """One stage with ``backends`` on ``repo`` and the orchestrator, in this loop."""
-    config = StageConfig(service_name="stage-0", model_repository=repo, grace_period_s=grace_s)
-    stage = MeshServer(config, build_stage_parts(config, backends))
+    stage = _stage(repo, 0, [], grace_s, backends)
     async with _running(repo, [stage], 300, grace_s) as mesh:
         yield mesh
 
