@@ -1,5 +1,5 @@
 """HPACK (RFC 7541), as much as the closed loop's gRPC client needs
-(blocking_clients.GrpcUnary): the header block of its one kind of request, and a
+(grpc_connection.GrpcConnection): the header block of its one kind of request, and a
 decoder that reads the answers' header blocks with the dynamic table kept in step."""
 
 from __future__ import annotations
