@@ -5,8 +5,9 @@ The request path of a benchmark, one line per piece::
     running_mesh()   the supervisor with free ports; stopped by PID on exit, even on Ctrl-C
     Target           where load goes: prepared gRPC bytes (GrpcTarget) or HTTP (HttpTarget)
     closed_loop()    N workers send back to back; a measured window after a warm-up
-                     (workers: threads with lean blocking clients, where they need no
-                     more connections than the target has; else asyncio tasks)
+                     (workers: threads with lean blocking clients where they need no
+                     more connections than the target has, or where a gRPC connection's
+                     thread carries several at once; else asyncio tasks)
     CpuUsage         CPU of the processes under test (/proc) and of the whole machine
     format_table()   the printed report
 
@@ -42,6 +43,7 @@ from collections.abc import (
 )
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol
@@ -57,7 +59,8 @@ from deploy.local.procfs import TICKS, child_pids, process_cpu_seconds, start_ti
 # `loadtests.common`; its sibling is imported by its full name either way.
 if str(Path(__file__).resolve().parent.parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from loadtests.blocking_clients import GrpcUnary, KeepAlive, Pool, host_port, prepared_post
+from loadtests.blocking_clients import KeepAlive, Pool, prepared_post
+from loadtests.grpc_connection import GrpcConnection, Outcome, host_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_REPOSITORY = Path("~/.cache/meshserve/repository")
@@ -69,6 +72,9 @@ Call = Callable[[], Awaitable[None]]
 """One request, awaited to its end; raises on failure."""
 BlockingCall = Callable[[], None]
 """One request, run to its end on the calling thread; raises on failure."""
+Streams = Callable[[int, Callable[[], bool]], Iterator[Outcome]]
+"""``streams(k, stop)``: k requests at once on one connection driven by the calling
+thread, each restarted as it ends, until ``stop()``; yields how each ended."""
 Probe = Callable[[], Awaitable[Any]]
 """State read at both edges of a measured window (e.g. ModelStatistics)."""
 
@@ -314,6 +320,9 @@ class DualCall:
     connections: int
     """How many connections the awaited way spreads its workers over: the blocking way
     opens one per thread, so at most this many threads may share the call."""
+    streams: Streams | None = None
+    """A third way, where one connection carries several requests at once: all the
+    workers that share the call, on one thread."""
 
     def __call__(self) -> Awaitable[None]:
         """The awaited way."""
@@ -323,9 +332,10 @@ class DualCall:
 class GrpcTarget:
     """Pre-serialised requests to one gRPC method over several HTTP/2 connections.
 
-    Each connection is a grpc.aio channel for the event loop, and a pool of
-    ``GrpcUnary`` sockets (``blocking_clients``) for worker threads, one per
-    thread that uses it; both connect on their first call.
+    Each connection is a grpc.aio channel for the event loop; for worker threads,
+    a pool of ``GrpcConnection`` sockets making one call at a time (one per thread
+    that uses it), and one more ``GrpcConnection`` that carries all the workers
+    sharing it on one thread. Each connects on its first call.
     """
 
     def __init__(self, address: str, method: str, payload: bytes, connections: int) -> None:
@@ -339,19 +349,25 @@ class GrpcTarget:
         self._payload = payload
         where = host_port(address)
         # Worker threads only where the address is host:port (not unix:, dns:///...).
-        self._pools = (
-            [Pool(lambda: GrpcUnary(*where, method, payload)) for _ in range(connections)]
-            if where is not None
-            else []
-        )
+        self._pools: list[Pool] = []
+        self._multiplexed: list[GrpcConnection] = []
+        if where is not None:
+            self._pools = [
+                Pool(lambda: GrpcConnection(*where, method, payload)) for _ in range(connections)
+            ]
+            self._multiplexed = [
+                GrpcConnection(*where, method, payload) for _ in range(connections)
+            ]
 
     def calls(self) -> list[Call]:
         """One call per connection; worker i uses call i modulo their number."""
         if not self._pools:
             return [self._bind(call) for call in self._calls]
         return [
-            DualCall(self._bind(call), pool.call, 1)
-            for call, pool in zip(self._calls, self._pools, strict=True)
+            DualCall(self._bind(call), pool.call, 1, connection.run)
+            for call, pool, connection in zip(
+                self._calls, self._pools, self._multiplexed, strict=True
+            )
         ]
 
     def _bind(self, call: Any) -> Call:
@@ -367,6 +383,8 @@ class GrpcTarget:
         await asyncio.gather(*(channel.close() for channel in self._channels))
         for pool in self._pools:
             pool.close()
+        for connection in self._multiplexed:
+            connection.close()
 
 
 class HttpTarget:
@@ -550,8 +568,26 @@ def _thread_worker(call: BlockingCall, window: _Window) -> int:
     return completed
 
 
-def _blocking(calls: Sequence[Call], in_flight: int) -> list[BlockingCall] | None:
-    """The calls' blocking ways where threads carry this load, else None.
+def _stream_worker(streams: Streams, k: int, window: _Window) -> int:
+    """``_thread_worker`` for ``k`` workers whose requests share one connection."""
+    completed = 0
+    for outcome in streams(k, lambda: window.closed):
+        if isinstance(outcome, Exception):  # its stream waits a moment (no hot loop)
+            if window.open:
+                window.errors.append(f"{type(outcome).__name__}: {outcome}"[:300])
+            continue
+        completed += 1
+        if window.open:
+            window.latencies_ns.append(outcome)
+    return completed
+
+
+ThreadJob = Callable[[_Window], int]
+"""What one worker thread runs: it sends until the window closes, returns its count."""
+
+
+def _thread_jobs(calls: Sequence[Call], in_flight: int) -> list[ThreadJob] | None:
+    """One job per worker thread where threads carry this load, else None.
 
     Threads, with the lean clients of ``blocking_clients``, wherever they open no
     more connections than the event loop's workers would. At 1 in flight the rate
@@ -560,16 +596,25 @@ def _blocking(calls: Sequence[Call], in_flight: int) -> list[BlockingCall] | Non
     does per call, so the closed loop read a slower server than perf_analyzer did;
     a blocking client on a thread costs less than perf_analyzer. With many in
     flight on a small host the client's CPU comes out of the server's, and the
-    threads still cost less per call than the event loop, GIL and all. But the
-    blocking gRPC client makes one call at a time per connection: more workers
-    than a GrpcTarget's connections stay on the event loop, whose HTTP/2
-    connections carry several calls each (and perf_analyzer is given as many).
+    threads still cost less per call than the event loop, GIL and all. Where more
+    workers share a call than it has connections (16 in flight over a GrpcTarget's
+    4 HTTP/2 connections, as perf_analyzer is given), each connection gets one
+    thread that keeps all of its workers' requests in flight at once (``streams``).
     """
     dual = [call for call in calls if isinstance(call, DualCall)]
-    sharing = -(-in_flight // max(1, len(calls)))  # workers per call, round robin
-    if len(dual) < len(calls) or any(sharing > call.connections for call in dual):
+    if not dual or len(dual) < len(calls):
         return None
-    return [call.blocking for call in dual]
+    shares = [len(range(i, in_flight, len(dual))) for i in range(len(dual))]  # round robin
+    if all(share <= call.connections for share, call in zip(shares, dual, strict=True)):
+        return [partial(_thread_worker, dual[i % len(dual)].blocking) for i in range(in_flight)]
+    streams = [call.streams for call in dual if call.streams is not None]
+    if len(streams) < len(dual):
+        return None
+    return [
+        partial(_stream_worker, way, share)
+        for way, share in zip(streams, shares, strict=True)
+        if share
+    ]
 
 
 @contextlib.asynccontextmanager
@@ -578,15 +623,12 @@ async def _running(
 ) -> AsyncIterator[list[asyncio.Future[int]]]:
     """``in_flight`` workers over ``calls`` (round robin), on threads or as tasks; on exit
     they are stopped and waited for."""
-    blocking = _blocking(calls, in_flight)
-    threads = ThreadPoolExecutor(in_flight, "closed-loop") if blocking else None
+    jobs = _thread_jobs(calls, in_flight)
+    threads = ThreadPoolExecutor(len(jobs), "closed-loop") if jobs else None
     workers: list[asyncio.Future[int]]
-    if threads is not None and blocking is not None:
+    if threads is not None and jobs is not None:
         loop = asyncio.get_running_loop()
-        workers = [
-            loop.run_in_executor(threads, _thread_worker, blocking[i % len(blocking)], window)
-            for i in range(in_flight)
-        ]
+        workers = [loop.run_in_executor(threads, job, window) for job in jobs]
     else:
         workers = [
             asyncio.create_task(_worker(calls[i % len(calls)], window)) for i in range(in_flight)
@@ -614,8 +656,8 @@ async def closed_loop(
 ) -> LoadResult:
     """``in_flight`` workers over ``calls`` (round robin): warm up, settle, measure a window.
 
-    Each worker is a thread sending blocking calls where every call is a
-    ``DualCall`` with a connection for each (``_blocking``); otherwise an asyncio task.
+    Workers are threads with blocking clients where every call is a ``DualCall``
+    (``_thread_jobs``); otherwise asyncio tasks.
     ``probe`` runs just outside both window edges, so its own cost stays out.
     """
     window = _Window()
