@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from loadtests.blocking_clients import BufferedSocket, StaleConnection
-from loadtests.hpack import HeaderDecoder, request_headers
+from shared.hpack import HeaderDecoder, request_headers
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7, 0x8

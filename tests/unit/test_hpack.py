@@ -1,9 +1,9 @@
-"""The closed loop's HPACK decoder (loadtests/hpack.py) on RFC 7541's own examples:
+"""The HPACK decoder (shared/hpack.py) on RFC 7541's own examples:
 header blocks with Huffman-coded strings, and the dynamic table kept across blocks."""
 
 from __future__ import annotations
 
-from loadtests.hpack import HeaderDecoder, huffman_decode
+from shared.hpack import HeaderDecoder, huffman_decode
 
 
 def test_requests_with_huffman_strings_and_the_dynamic_table() -> None:

@@ -1,6 +1,7 @@
-"""HPACK (RFC 7541), as much as the closed loop's gRPC client needs
-(grpc_connection.GrpcConnection): the header block of its one kind of request, and a
-decoder that reads the answers' header blocks with the dynamic table kept in step."""
+"""HPACK (RFC 7541): a decoder that keeps the dynamic table in step with its peer's
+encoder, and an encoder that writes every field as a literal "without indexing", so
+it keeps no table state. Used by the lean gRPC server (shared/h2grpc/) and by the
+closed loop's gRPC client (loadtests/grpc_connection.py)."""
 
 from __future__ import annotations
 
@@ -102,8 +103,13 @@ def _encoded_integer(value: int, prefix: int, flags: int) -> bytes:
     return bytes((*out, value))
 
 
+def literal(name: bytes, value: bytes, name_index: int = 0) -> bytes:
+    """A field "without indexing" (RFC 7541 6.2.2): no table state on either side.
+    ``name_index``: the name's static table entry, 0 to spell the name out."""
+    return _field(name_index, name, value)
+
+
 def _field(name_index: int, name: bytes, value: bytes) -> bytes:
-    """A field "without indexing" (RFC 7541 6.2.2): no table state on either side."""
     out = _encoded_integer(name_index, 4, 0x00)
     if not name_index:
         out += _encoded_integer(len(name), 7, 0x00) + name
