@@ -132,8 +132,12 @@ class HeaderDecoder:
         self._size, self._max, self._limit = 0, max_size, max_size
 
     def decode(self, block: bytes) -> dict[bytes, bytes]:
-        """The fields of one whole header block."""
-        fields: dict[bytes, bytes] = {}
+        """The fields of one whole header block (a repeated name: its last value)."""
+        return dict(self.decode_pairs(block))
+
+    def decode_pairs(self, block: bytes) -> list[tuple[bytes, bytes]]:
+        """The fields of one whole header block, in order, repeated names and all."""
+        fields: list[tuple[bytes, bytes]] = []
         pos = 0
         while pos < len(block):
             first = block[pos]
@@ -151,7 +155,7 @@ class HeaderDecoder:
                 continue
             else:  # literal, not indexed (0000) or never indexed (0001)
                 name, value, pos = self._literal(block, pos, 4)
-            fields[name] = value
+            fields.append((name, value))
         return fields
 
     def _literal(self, block: bytes, pos: int, prefix: int) -> tuple[bytes, bytes, int]:

@@ -1,0 +1,418 @@
+"""One gRPC call on an HTTP/2 stream: its handler found through the server's
+interceptors, run as grpc.aio runs it, and its answer and status written.
+
+    CallContext      what a handler sees: grpc.aio's ServicerContext, as far as
+                     the services use it (metadata, deadline, abort, read/write)
+    run_call         a stream's whole call: headers checked, the handler found
+                     and run, the status written as trailers
+
+Handlers are grpc's own ``RpcMethodHandler`` objects, as generated
+``add_*Servicer_to_server`` functions and the interceptors make them, so a
+service registers on this server as it does on grpc.aio's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import inspect
+import logging
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, NoReturn
+
+import grpc
+
+from shared.h2grpc.connection import (
+    Compressed,
+    ConnectionGone,
+    MessageTooLarge,
+    ServerConnection,
+    Stream,
+)
+from shared.hpack import literal
+
+log = logging.getLogger(__name__)
+
+Resolve = Callable[[str, tuple[tuple[str, str | bytes], ...]], Awaitable[Any]]
+"""(method path, metadata) -> the RpcMethodHandler through the interceptors, or None."""
+
+_HEADERS_OK = b"\x88" + literal(b"", b"application/grpc", name_index=31)
+"""``:status 200`` (static entry 8) and ``content-type: application/grpc``."""
+_STATUS_OK = literal(b"grpc-status", b"0")
+_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+_RESERVED = frozenset(
+    (b"content-type", b"te", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding")
+)
+_ENCODINGS = {b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}
+"""grpc-encoding -> zlib's wbits for it (gzip: with its header; deflate: zlib's)."""
+MAX_MESSAGE_DETAIL = 1024
+"""Longest grpc-message written (a status's details are cut to it)."""
+
+
+class HandlerCallDetails(grpc.HandlerCallDetails):  # type: ignore[misc]
+    """What interceptors see of a call: its method and metadata."""
+
+    def __init__(self, method: str, invocation_metadata: tuple[tuple[str, Any], ...]) -> None:
+        self.method = method
+        self.invocation_metadata = invocation_metadata
+
+
+class CallContext:
+    """A call's side of grpc.aio's ``ServicerContext``."""
+
+    def __init__(
+        self,
+        connection: ServerConnection,
+        stream: Stream,
+        metadata: tuple[tuple[str, str | bytes], ...],
+        deadline: float | None,
+    ) -> None:
+        self._connection = connection
+        self._stream = stream
+        self._metadata = metadata
+        self._deadline = deadline
+        self._code = grpc.StatusCode.OK
+        self._details = ""
+        self._trailing: Sequence[tuple[str, str | bytes]] = ()
+        self._headers_sent = False
+        self._done = False
+        self._callbacks: list[Callable[[Any], None]] = []
+        self.serializer: Callable[[Any], bytes] | None = None
+        self.deserializer: Callable[[bytes], Any] | None = None
+
+    # -- what a handler asks ----------------------------------------------------
+
+    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        """The client's metadata (header names lowercase; ``-bin`` values as bytes)."""
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        """Seconds to the call's deadline; None without one."""
+        if self._deadline is None:
+            return None
+        return max(0.0, self._deadline - asyncio.get_running_loop().time())
+
+    def peer(self) -> str:
+        """``ipv4:host:port`` of the client."""
+        return self._connection.peer
+
+    def cancelled(self) -> bool:
+        """Whether the client reset the call or went away."""
+        return self._stream.reset and not self._done
+
+    def done(self) -> bool:
+        """Whether the call has ended."""
+        return self._done
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        """Run ``callback(self)`` once the call ends."""
+        self._callbacks.append(callback)
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def set_details(self, details: str) -> None:
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def set_trailing_metadata(self, metadata: Sequence[tuple[str, str | bytes]]) -> None:
+        self._trailing = tuple(metadata)
+
+    def trailing_metadata(self) -> Sequence[tuple[str, str | bytes]]:
+        return self._trailing
+
+    async def abort(
+        self,
+        code: grpc.StatusCode,
+        details: str = "",
+        trailing_metadata: Sequence[tuple[str, str | bytes]] = (),
+    ) -> NoReturn:
+        """End the call with ``code`` (raises, as grpc.aio's does)."""
+        self._code, self._details = code, details
+        if trailing_metadata:
+            self._trailing = tuple(trailing_metadata)
+        raise grpc.aio.AbortError()
+
+    async def send_initial_metadata(self, metadata: Sequence[tuple[str, str | bytes]]) -> None:
+        """The response's headers, now, with ``metadata``."""
+        if self._headers_sent:
+            raise grpc.aio.UsageError("initial metadata was already sent")
+        self._send_headers(_metadata_block(metadata))
+
+    async def read(self) -> Any:
+        """The next request message, or ``grpc.aio.EOF``."""
+        message = await self._read()
+        if message is None:
+            return grpc.aio.EOF
+        return self.deserializer(message) if self.deserializer else message
+
+    async def write(self, message: Any) -> None:
+        """One response message (a streaming answer's)."""
+        data = self._checked(self.serializer(message) if self.serializer else message)
+        if not self._headers_sent:
+            self._send_headers(b"")
+        await self._connection.write_data(self._stream, _framed(data))
+
+    def set_compression(self, compression: Any) -> None:
+        """Nothing: answers go uncompressed."""
+
+    def disable_next_message_compression(self) -> None:
+        """Nothing: answers go uncompressed."""
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {}
+
+    def peer_identities(self) -> None:
+        return None
+
+    def peer_identity_key(self) -> None:
+        return None
+
+    # -- the call layer's own --------------------------------------------------
+
+    async def _read(self) -> bytes | None:
+        try:
+            message = await self._stream.read()
+        except MessageTooLarge as exc:
+            await self.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        self._connection.replenish(self._stream)
+        if isinstance(message, Compressed):
+            return await self._decompressed(message)
+        return message
+
+    async def _decompressed(self, message: bytes) -> bytes:
+        """A compressed message as its ``grpc-encoding`` (gzip or deflate) says."""
+        encoding = self._stream.fields.get(b"grpc-encoding", b"identity")
+        wbits = _ENCODINGS.get(encoding)
+        if wbits is None:
+            await self.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"compressed messages are taken as gzip or deflate, not {encoding[:40]!r}",
+            )
+        limit = self._connection.limit
+        try:
+            inflater = zlib.decompressobj(wbits)
+            data = inflater.decompress(message, limit + 1)
+        except zlib.error as exc:
+            await self.abort(grpc.StatusCode.INTERNAL, f"a message did not decompress: {exc}")
+        if len(data) > limit:
+            await self.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"Received message larger than max (over {limit} decompressed)",
+            )
+        return data
+
+    async def requests(self) -> AsyncIterator[Any]:
+        """The request messages, deserialized, until the client ends its side."""
+        while (message := await self._read()) is not None:
+            yield self.deserializer(message) if self.deserializer else message
+
+    def _checked(self, data: bytes) -> bytes:
+        """``data``, unless it is over the size the server sends (then the call fails)."""
+        if len(data) > self._connection.limit:
+            self._code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            self._details = (
+                f"Sent message larger than max ({len(data)} vs. {self._connection.limit})"
+            )
+            raise grpc.aio.AbortError()
+        return data
+
+    def _send_headers(self, extra: bytes) -> None:
+        self._headers_sent = True
+        self._connection.write_headers(self._stream, _HEADERS_OK + extra, end_stream=False)
+
+    def finish(self, answer: bytes | None = None) -> None:
+        """The last message (a unary answer), if any, then the status as trailers."""
+        if self._done:
+            return
+        self._done = True
+        connection, stream = self._connection, self._stream
+        trailers = _status_block(self._code, self._details, self._trailing)
+        if answer is None and not self._headers_sent:  # trailers-only
+            connection.write_headers(stream, _HEADERS_OK + trailers, end_stream=True)
+        elif answer is None:
+            connection.write_headers(stream, trailers, end_stream=True)
+        else:
+            self._finish_with(answer, trailers)
+        for callback in self._callbacks:
+            callback(self)
+
+    def _finish_with(self, answer: bytes, trailers: bytes) -> None:
+        connection, stream = self._connection, self._stream
+        framed = _framed(answer)
+        if not self._headers_sent:
+            self._send_headers(b"")
+        if connection.fits(stream, len(framed)):
+            connection.write_data_now(stream, framed)
+            connection.write_headers(stream, trailers, end_stream=True)
+            return
+
+        async def later() -> None:  # flow control holds the answer back
+            with contextlib.suppress(ConnectionGone):
+                await connection.write_data(stream, framed)
+                connection.write_headers(stream, trailers, end_stream=True)
+
+        task = asyncio.get_running_loop().create_task(later())
+        _LATE_WRITES.add(task)
+        task.add_done_callback(_LATE_WRITES.discard)
+
+    def end_cut(self) -> None:
+        """The call was cut because the server stops: UNAVAILABLE, as grpc's server
+        ends it (a client may retry it elsewhere)."""
+        self._code = grpc.StatusCode.UNAVAILABLE
+        self._details = "the server is stopping"
+        self._trailing = ()
+        self.finish()
+
+
+_LATE_WRITES: set[asyncio.Task[None]] = set()
+"""Answers waiting on flow control (held so they are not collected mid-write)."""
+
+
+async def run_call(connection: ServerConnection, stream: Stream, resolve: Resolve) -> None:
+    """Serve the call on ``stream``: find its handler, run it, write its status."""
+    fields = stream.fields
+    path = fields.get(b":path", b"").decode("utf-8", "replace")
+    metadata = _metadata(stream.pairs)
+    deadline = _deadline(fields.get(b"grpc-timeout"))
+    context = CallContext(connection, stream, metadata, deadline)
+    task = asyncio.current_task()
+    assert task is not None
+    stream.on_reset = task.cancel
+    if fields.get(b":method") != b"POST" or not fields.get(b"content-type", b"").startswith(
+        b"application/grpc"
+    ):
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details("not a gRPC request (POST with content-type application/grpc)")
+        context.finish()
+        return
+    answer: bytes | None = None
+    try:
+        timeout = asyncio.timeout_at(deadline) if deadline is not None else None
+        async with timeout if timeout is not None else contextlib.nullcontext():
+            handler = await resolve(path, metadata)
+            if handler is None:
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+            answer = await _invoke(handler, context)
+    except grpc.aio.AbortError:
+        pass
+    except TimeoutError:
+        if timeout is None or not timeout.expired():
+            _unexpected(context, path)
+        else:
+            context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+            context.set_details("Deadline Exceeded")
+    except ConnectionGone:
+        return
+    except asyncio.CancelledError:
+        if stream.reset:
+            return  # the client went: nobody to answer
+        context.end_cut()
+        raise
+    except Exception:
+        _unexpected(context, path)
+    if stream.reset:
+        return
+    context.finish(answer)
+
+
+async def _invoke(handler: Any, context: CallContext) -> bytes | None:
+    """Run ``handler``; a unary answer's bytes (None when streamed, or no answer)."""
+    context.serializer = handler.response_serializer
+    context.deserializer = handler.request_deserializer
+    if handler.request_streaming:
+        request: Any = context.requests()
+        behavior = handler.stream_stream if handler.response_streaming else handler.stream_unary
+    else:
+        message = await context._read()
+        if message is None:
+            await context.abort(grpc.StatusCode.INTERNAL, "the call carried no request message")
+        request = handler.request_deserializer(message) if handler.request_deserializer else message
+        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+    result = behavior(request, context)
+    if handler.response_streaming:
+        if hasattr(result, "__aiter__"):
+            async for response in result:
+                await context.write(response)
+        elif inspect.isawaitable(result):
+            await result
+        elif result is not None:
+            for response in result:
+                await context.write(response)
+        return None
+    if inspect.isawaitable(result):
+        result = await result
+    if result is None or context.code() != grpc.StatusCode.OK:
+        return None
+    serialize = handler.response_serializer
+    return context._checked(serialize(result) if serialize else result)
+
+
+def _unexpected(context: CallContext, path: str) -> None:
+    log.exception("unexpected error in %s", path)
+    context.set_code(grpc.StatusCode.UNKNOWN)
+    context.set_details("Unexpected error")
+
+
+def _framed(message: bytes) -> bytes:
+    return b"\x00" + len(message).to_bytes(4, "big") + message
+
+
+def _deadline(value: bytes | None) -> float | None:
+    """``grpc-timeout`` (digits and a unit) as a loop time; None without one."""
+    if not value or value[-1:] not in _TIMEOUT_UNITS or not value[:-1].isdigit():
+        return None
+    seconds = int(value[:-1]) * _TIMEOUT_UNITS[value[-1:]]
+    return asyncio.get_running_loop().time() + seconds
+
+
+def _metadata(pairs: list[tuple[bytes, bytes]]) -> tuple[tuple[str, str | bytes], ...]:
+    out: list[tuple[str, str | bytes]] = []
+    for name, value in pairs:
+        if name.startswith(b":") or name in _RESERVED:
+            continue
+        key = name.decode("ascii", "replace")
+        if key.endswith("-bin"):
+            out.append((key, base64.b64decode(value + b"=" * (-len(value) % 4))))
+        else:
+            out.append((key, value.decode("latin-1")))
+    return tuple(out)
+
+
+def _metadata_block(metadata: Sequence[tuple[str, str | bytes]]) -> bytes:
+    block = b""
+    for key, value in metadata:
+        name = key.lower().encode("ascii")
+        if name.endswith(b"-bin"):
+            raw = value if isinstance(value, bytes) else value.encode()
+            encoded = base64.b64encode(raw).rstrip(b"=")
+        else:
+            encoded = value.encode("latin-1") if isinstance(value, str) else value
+        block += literal(name, encoded)
+    return block
+
+
+def _status_block(
+    code: grpc.StatusCode, details: str, trailing: Sequence[tuple[str, str | bytes]]
+) -> bytes:
+    if code == grpc.StatusCode.OK and not details and not trailing:
+        return _STATUS_OK
+    block = literal(b"grpc-status", str(code.value[0]).encode())
+    if details:
+        block += literal(b"grpc-message", _percent_encoded(details[:MAX_MESSAGE_DETAIL]))
+    return block + _metadata_block(trailing)
+
+
+def _percent_encoded(text: str) -> bytes:
+    """grpc-message's encoding: printable ASCII but ``%`` as is, every other byte %XX."""
+    return b"".join(
+        bytes((byte,)) if 0x20 <= byte <= 0x7E and byte != 0x25 else b"%%%02X" % byte
+        for byte in text.encode("utf-8")
+    )

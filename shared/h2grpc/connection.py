@@ -1,0 +1,518 @@
+"""One HTTP/2 connection, the server's side (RFC 9113), as the lean gRPC server
+needs it: streams opened by the client, gRPC messages cut from their DATA, flow
+control both ways, and the connection's own frames (SETTINGS, PING, GOAWAY).
+
+Each stream the client opens is handed to ``on_stream`` (the gRPC call layer,
+call.py) as soon as its headers are in; its request messages follow on
+``Stream.read``. Answers go out through ``write_headers`` and ``write_data``:
+what is written while one event-loop turn runs leaves in one ``send``.
+
+No gRPC status codes here, and nothing about handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+from typing import ClassVar
+
+from shared.h2grpc import frames as f
+from shared.hpack import HeaderDecoder
+
+log = logging.getLogger(__name__)
+
+RECEIVE_WINDOW = 1 << 22
+"""What each stream may send us ahead of our reading it (4 MiB)."""
+CONNECTION_WINDOW = 1 << 24
+"""What the whole connection may send us ahead (16 MiB)."""
+HELD_LIMIT = 1 << 22
+"""Whole messages a stream may have waiting to be read before its window stops
+being replenished (backpressure on a client that streams faster than the handler reads)."""
+MAX_HEADER_BLOCK = 1 << 16
+"""Largest header block taken (a longer one resets its stream)."""
+MIN_PING_INTERVAL_S = 0.5
+"""Pings closer together than this, while we send nothing, are strikes (as grpc's
+``grpc.http2.min_ping_interval_without_data_ms``; shared/server.py gives grpc.aio's
+server the same)."""
+MAX_PING_STRIKES = 2
+"""Strikes allowed; the next one is answered GOAWAY ENHANCE_YOUR_CALM "too_many_pings"."""
+MESSAGE_HEAD = 5
+"""A gRPC message's prefix: a compressed flag and a 4-byte length."""
+
+
+class ConnectionGone(ConnectionError):
+    """The connection closed while a write waited."""
+
+
+class MessageTooLarge(ValueError):
+    """A request message longer than the server takes."""
+
+
+class Compressed(bytes):
+    """A request message sent with the compressed flag (call.py decompresses it)."""
+
+
+class Stream:
+    """One client-opened stream: its request headers, its messages, its send window."""
+
+    __slots__ = (
+        "_held",
+        "_pending_credit",
+        "_waiter",
+        "body",
+        "error",
+        "fields",
+        "id",
+        "messages",
+        "on_reset",
+        "pairs",
+        "remote_ended",
+        "reset",
+        "send_window",
+    )
+
+    def __init__(self, stream_id: int, send_window: int) -> None:
+        self.id = stream_id
+        self.fields: dict[bytes, bytes] = {}
+        """The request's header fields (a repeated name: its last value)."""
+        self.pairs: list[tuple[bytes, bytes]] = []
+        """The same, in order, repeated names and all (the call's metadata)."""
+        self.body = bytearray()
+        """DATA received and not yet cut into whole messages."""
+        self.messages: collections.deque[bytes] = collections.deque()
+        self.remote_ended = False
+        """The client ended its side (END_STREAM)."""
+        self.reset = False
+        """Reset by either side, or its connection went away: nothing more is written."""
+        self.error: Exception | None = None
+        """Why the request's messages cannot be read (too large, compressed)."""
+        self.send_window = send_window
+        self.on_reset: Callable[[], object] | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._held = 0
+        self._pending_credit = 0
+
+    async def read(self) -> bytes | None:
+        """The next request message; None once the client ended its side."""
+        while not self.messages:
+            if self.error is not None:
+                raise self.error
+            if self.remote_ended or self.reset:
+                return None
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        message = self.messages.popleft()
+        self._held -= len(message) + MESSAGE_HEAD
+        return message
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _received(self, data: bytes, limit: int) -> None:
+        """Cut whole messages from DATA; the first bad one sets ``error``."""
+        body = self.body
+        body += data
+        while len(body) >= MESSAGE_HEAD and self.error is None:
+            size = int.from_bytes(body[1:5], "big")
+            if size > limit:
+                self.error = MessageTooLarge(
+                    f"Received message larger than max ({size} vs. {limit})"
+                )
+            elif len(body) >= MESSAGE_HEAD + size:
+                message = bytes(body[MESSAGE_HEAD : MESSAGE_HEAD + size])
+                self.messages.append(Compressed(message) if body[0] else message)
+                self._held += MESSAGE_HEAD + size
+                del body[: MESSAGE_HEAD + size]
+                continue
+            break
+        self._wake()
+
+
+class ServerConnection(asyncio.Protocol):
+    """The server's side of one HTTP/2 connection."""
+
+    _ACTIONS: ClassVar[dict[int, Callable[[ServerConnection, int, int, bytes], None]]]
+    """Frame type -> what to do with it (set below the class)."""
+
+    def __init__(
+        self,
+        on_stream: Callable[[ServerConnection, Stream], None],
+        max_message_bytes: int,
+        on_closed: Callable[[ServerConnection], None],
+    ) -> None:
+        self._on_stream = on_stream
+        self._on_closed = on_closed
+        self._limit = self.limit = max_message_bytes
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._preface = False
+        self._decoder = HeaderDecoder()
+        self.streams: dict[int, Stream] = {}
+        self._last_stream = 0
+        self._partial: tuple[int, int, bytearray] | None = None
+        """A header block waiting for its CONTINUATION frames: (stream, flags, block)."""
+        self._peer_window = f.DEFAULT_WINDOW
+        self._send_window = f.DEFAULT_WINDOW
+        self._max_frame = f.DEFAULT_MAX_FRAME
+        self._received = 0
+        self._out: list[bytes] = []
+        self._flush_handle: asyncio.Handle | None = None
+        self._paused = False
+        self._window_waiters: list[asyncio.Future[None]] = []
+        self._last_ping: float | None = None
+        self._strikes = 0
+        self.going_away = False
+        self.closed = False
+        self.peer = ""
+
+    # -- asyncio.Protocol ------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        address = transport.get_extra_info("peername")
+        if isinstance(address, tuple):
+            family = "ipv6" if ":" in str(address[0]) else "ipv4"
+            self.peer = f"{family}:{address[0]}:{address[1]}"
+        ours = {
+            f.ENABLE_PUSH: 0,
+            f.INITIAL_WINDOW_SIZE: RECEIVE_WINDOW,
+            f.MAX_HEADER_LIST_SIZE: MAX_HEADER_BLOCK,
+        }
+        self._queue(f.frame(f.SETTINGS, 0, 0, f.settings_payload(ours)))
+        self._queue(f.window_update(0, CONNECTION_WINDOW - f.DEFAULT_WINDOW))
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        pos = 0
+        if not self._preface:
+            if len(buffer) < len(f.PREFACE):
+                return
+            if buffer[: len(f.PREFACE)] != f.PREFACE:
+                self._fail(f.PROTOCOL_ERROR, b"not an HTTP/2 connection preface")
+                return
+            pos, self._preface = len(f.PREFACE), True
+        size = len(buffer)
+        try:
+            while size - pos >= f.HEAD_BYTES and not self.closed:
+                length = int.from_bytes(buffer[pos : pos + 3], "big")
+                if length > f.LARGEST_FRAME:
+                    raise _ProtocolError(f.FRAME_SIZE_ERROR, "frame too large")
+                end = pos + f.HEAD_BYTES + length
+                if end > size:
+                    break
+                kind, flags = buffer[pos + 3], buffer[pos + 4]
+                stream = int.from_bytes(buffer[pos + 5 : pos + 9], "big") & f.LAST_STREAM_ID
+                payload = bytes(buffer[pos + f.HEAD_BYTES : end])
+                pos = end
+                self._frame(kind, flags, stream, payload)
+        except _ProtocolError as exc:
+            self._fail(exc.code, exc.args[0].encode())
+            return
+        del buffer[:pos]
+        if self._received >= CONNECTION_WINDOW // 2:
+            self._queue(f.window_update(0, self._received))
+            self._received = 0
+        self._flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        for stream in list(self.streams.values()):
+            self._drop(stream)
+        self._wake_writers()
+        self._on_closed(self)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._wake_writers()
+
+    # -- frames in -------------------------------------------------------------
+
+    def _frame(self, kind: int, flags: int, stream: int, payload: bytes) -> None:
+        if self._partial is not None and kind != f.CONTINUATION:
+            raise _ProtocolError(f.PROTOCOL_ERROR, "a header block was not continued")
+        act = self._ACTIONS.get(kind)
+        if act is not None:  # PRIORITY and unknown types are ignored, as RFC 9113 allows
+            act(self, stream, flags, payload)
+
+    def _on_headers(self, stream: int, flags: int, payload: bytes) -> None:
+        block = f.header_block(payload, flags)
+        if not flags & f.END_HEADERS:
+            self._partial = (stream, flags, bytearray(block))
+            return
+        self._header_block(stream, flags, block)
+
+    def _on_rst_stream(self, stream: int, flags: int, payload: bytes) -> None:
+        if (known := self.streams.get(stream)) is not None:
+            self._drop(known)
+
+    def _on_settings(self, stream: int, flags: int, payload: bytes) -> None:
+        if not flags & f.ACK:
+            self._settings(payload)
+
+    def _on_ping(self, stream: int, flags: int, payload: bytes) -> None:
+        if not flags & f.ACK:
+            self._ping(payload)
+
+    def _on_goaway(self, stream: int, flags: int, payload: bytes) -> None:
+        self.going_away = True
+        self._close_when_idle()
+
+    def _on_push_promise(self, stream: int, flags: int, payload: bytes) -> None:
+        raise _ProtocolError(f.PROTOCOL_ERROR, "a client may not push")
+
+    def _on_data(self, stream_id: int, flags: int, payload: bytes) -> None:
+        self._received += len(payload)
+        stream = self.streams.get(stream_id)
+        if stream is None or stream.remote_ended:
+            return  # a stream already reset or ended on our side: its data is dropped
+        padding = payload[0] + 1 if flags & f.PADDED and payload else 0
+        stream._received(
+            payload[(1 if padding else 0) : len(payload) - max(0, padding - 1)], self._limit
+        )
+        stream._pending_credit += len(payload)
+        if stream._held <= HELD_LIMIT and stream._pending_credit >= RECEIVE_WINDOW // 4:
+            self._queue(f.window_update(stream.id, stream._pending_credit))
+            stream._pending_credit = 0
+        if flags & f.END_STREAM:
+            stream.remote_ended = True
+            stream._wake()
+
+    def replenish(self, stream: Stream) -> None:
+        """Give back the window of messages read (called by the call layer after a read)."""
+        if (
+            stream._pending_credit >= RECEIVE_WINDOW // 4
+            and stream._held <= HELD_LIMIT
+            and not stream.remote_ended
+        ):
+            self._queue(f.window_update(stream.id, stream._pending_credit))
+            stream._pending_credit = 0
+
+    def _on_continuation(self, stream_id: int, flags: int, payload: bytes) -> None:
+        if self._partial is None or self._partial[0] != stream_id:
+            raise _ProtocolError(f.PROTOCOL_ERROR, "CONTINUATION without HEADERS")
+        _, first_flags, block = self._partial
+        block += payload
+        if len(block) > MAX_HEADER_BLOCK * 2:
+            raise _ProtocolError(f.ENHANCE_YOUR_CALM, "header block too large")
+        if flags & f.END_HEADERS:
+            self._partial = None
+            self._header_block(stream_id, first_flags, bytes(block))
+
+    def _header_block(self, stream_id: int, flags: int, block: bytes) -> None:
+        try:
+            pairs = self._decoder.decode_pairs(block)  # always, to keep the table in step
+        except (ValueError, IndexError) as exc:
+            raise _ProtocolError(f.PROTOCOL_ERROR, f"bad header block: {exc}") from exc
+        known = self.streams.get(stream_id)
+        if known is not None:  # trailers from the client: its side ends
+            known.remote_ended = True
+            known._wake()
+            return
+        if stream_id % 2 == 0 or stream_id <= self._last_stream:
+            if stream_id <= self._last_stream:
+                return  # a stream we already closed
+            raise _ProtocolError(f.PROTOCOL_ERROR, "a client stream id must be odd")
+        self._last_stream = stream_id
+        if self.going_away:
+            self._queue(f.rst_stream(stream_id, f.REFUSED_STREAM))
+            return
+        if len(block) > MAX_HEADER_BLOCK:
+            self._queue(f.rst_stream(stream_id, f.ENHANCE_YOUR_CALM))
+            return
+        stream = Stream(stream_id, self._peer_window)
+        stream.pairs = pairs
+        stream.fields = dict(pairs)
+        stream.remote_ended = bool(flags & f.END_STREAM)
+        self.streams[stream_id] = stream
+        self._on_stream(self, stream)
+
+    def _ping(self, payload: bytes) -> None:
+        now = asyncio.get_running_loop().time()
+        if self._last_ping is not None and now - self._last_ping < MIN_PING_INTERVAL_S:
+            self._strikes += 1
+            if self._strikes > MAX_PING_STRIKES:
+                raise _ProtocolError(f.ENHANCE_YOUR_CALM, "too_many_pings")
+        self._last_ping = now
+        self._queue(f.frame(f.PING, f.ACK, 0, payload))
+
+    def _settings(self, payload: bytes) -> None:
+        values = f.parse_settings(payload)
+        if (window := values.get(f.INITIAL_WINDOW_SIZE)) is not None:
+            if window > f.LAST_STREAM_ID:
+                raise _ProtocolError(f.FLOW_CONTROL_ERROR, "initial window too large")
+            delta, self._peer_window = window - self._peer_window, window
+            for stream in self.streams.values():
+                stream.send_window += delta
+        if (largest := values.get(f.MAX_FRAME_SIZE)) is not None:
+            self._max_frame = max(f.DEFAULT_MAX_FRAME, min(largest, f.LARGEST_FRAME))
+        self._queue(f.frame(f.SETTINGS, f.ACK, 0))
+        self._wake_writers()
+
+    def _on_window_update(self, stream_id: int, flags: int, payload: bytes) -> None:
+        increment = int.from_bytes(payload[:4], "big") & f.LAST_STREAM_ID
+        if stream_id == 0:
+            self._send_window += increment
+        elif (stream := self.streams.get(stream_id)) is not None:
+            stream.send_window += increment
+        self._wake_writers()
+
+    # -- frames out ------------------------------------------------------------
+
+    def write_headers(self, stream: Stream, block: bytes, end_stream: bool) -> None:
+        """A header block on ``stream`` (split into CONTINUATION frames when long)."""
+        if stream.reset or self.closed:
+            return
+        self._sent_answer()
+        flags = f.END_STREAM if end_stream else 0
+        first, rest = block[: self._max_frame], block[self._max_frame :]
+        if not rest:
+            self._queue(f.frame(f.HEADERS, flags | f.END_HEADERS, stream.id, first))
+        else:
+            self._queue(f.frame(f.HEADERS, flags, stream.id, first))
+            while rest:
+                piece, rest = rest[: self._max_frame], rest[self._max_frame :]
+                last = f.END_HEADERS if not rest else 0
+                self._queue(f.frame(f.CONTINUATION, last, stream.id, piece))
+        if end_stream:
+            self._finished(stream)
+
+    def fits(self, stream: Stream, size: int) -> bool:
+        """Whether ``size`` bytes of DATA can go now, in one frame, without waiting."""
+        return (
+            not self._paused
+            and size <= self._max_frame
+            and size <= self._send_window
+            and size <= stream.send_window
+        )
+
+    def write_data_now(self, stream: Stream, data: bytes, end_stream: bool = False) -> None:
+        """DATA that ``fits``: one frame."""
+        if stream.reset or self.closed:
+            return
+        self._sent_answer()
+        self._send_window -= len(data)
+        stream.send_window -= len(data)
+        self._queue(f.frame(f.DATA, f.END_STREAM if end_stream else 0, stream.id, data))
+        if end_stream:
+            self._finished(stream)
+
+    async def write_data(self, stream: Stream, data: bytes) -> None:
+        """DATA on ``stream``, as the windows let it go; waits for WINDOW_UPDATEs."""
+        view = memoryview(data)
+        while view:
+            if stream.reset or self.closed:
+                raise ConnectionGone("the stream was reset")
+            room = min(self._send_window, stream.send_window, self._max_frame)
+            if room <= 0 or self._paused:
+                waiter = asyncio.get_running_loop().create_future()
+                self._window_waiters.append(waiter)
+                await waiter
+                continue
+            piece, view = view[:room], view[room:]
+            self._sent_answer()
+            self._send_window -= len(piece)
+            stream.send_window -= len(piece)
+            self._queue(f.frame(f.DATA, 0, stream.id, bytes(piece)))
+
+    def reset_stream(self, stream: Stream, code: int) -> None:
+        """End ``stream`` abruptly (the client sees RST_STREAM)."""
+        if not stream.reset and not self.closed:
+            self._queue(f.rst_stream(stream.id, code))
+        self._drop(stream, notify=False)
+
+    def go_away(self) -> None:
+        """Take no new streams; close once the open ones end."""
+        if self.going_away or self.closed:
+            return
+        self.going_away = True
+        self._queue(f.goaway(self._last_stream, f.NO_ERROR))
+        self._flush()
+        self._close_when_idle()
+
+    def close(self) -> None:
+        """Close now: every open stream is dropped."""
+        if self._transport is not None and not self.closed:
+            self._flush()
+            self._transport.close()
+
+    def _finished(self, stream: Stream) -> None:
+        self.streams.pop(stream.id, None)
+        stream.reset = True  # nothing more goes out on it
+        self._close_when_idle()
+
+    def _drop(self, stream: Stream, notify: bool = True) -> None:
+        self.streams.pop(stream.id, None)
+        if stream.reset:
+            return
+        stream.reset = True
+        stream._wake()
+        if notify and stream.on_reset is not None:
+            stream.on_reset()
+        self._close_when_idle()
+
+    def _close_when_idle(self) -> None:
+        if self.going_away and not self.streams and self._transport is not None:
+            self._flush()
+            self._transport.close()
+
+    def _sent_answer(self) -> None:
+        """HEADERS or DATA went out: pings count afresh (as grpc's server counts them)."""
+        self._last_ping, self._strikes = None, 0
+
+    def _queue(self, data: bytes) -> None:
+        self._out.append(data)
+        if self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        if self._out and self._transport is not None and not self._transport.is_closing():
+            self._transport.write(b"".join(self._out))
+        self._out.clear()
+
+    def _wake_writers(self) -> None:
+        waiters, self._window_waiters = self._window_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _fail(self, code: int, debug: bytes) -> None:
+        log.info(
+            "closing an HTTP/2 connection from %s: %s", self.peer, debug.decode(errors="replace")
+        )
+        self._queue(f.goaway(self._last_stream, code, debug[:200]))
+        self._flush()
+        if self._transport is not None:
+            self._transport.close()
+
+
+ServerConnection._ACTIONS = {
+    f.DATA: ServerConnection._on_data,
+    f.HEADERS: ServerConnection._on_headers,
+    f.CONTINUATION: ServerConnection._on_continuation,
+    f.RST_STREAM: ServerConnection._on_rst_stream,
+    f.SETTINGS: ServerConnection._on_settings,
+    f.PING: ServerConnection._on_ping,
+    f.WINDOW_UPDATE: ServerConnection._on_window_update,
+    f.GOAWAY: ServerConnection._on_goaway,
+    f.PUSH_PROMISE: ServerConnection._on_push_promise,
+}
+
+
+class _ProtocolError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code

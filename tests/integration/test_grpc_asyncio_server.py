@@ -1,0 +1,275 @@
+"""The gRPC server on asyncio (shared/h2grpc/) against grpc's own client: every
+kind of call, flow control, deadlines, statuses, metadata, limits and stopping.
+
+The services' own behaviour on it is what the rest of the suite tests (it is
+the default server); here the server alone, on port 0, in this event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+
+from shared.h2grpc.server import LeanServer
+
+SERVICE = "test.Echo"
+LIMIT = 4 * 1024 * 1024
+
+
+class Handlers:
+    """The test service's methods, and what they saw."""
+
+    def __init__(self) -> None:
+        self.cancelled = asyncio.Event()
+        self.metadata: dict[str, Any] = {}
+        self.pairs: list[tuple[str, Any]] = []
+
+    async def echo(self, request: bytes, context: Any) -> bytes:
+        self.pairs = list(context.invocation_metadata())
+        self.metadata = dict(self.pairs)
+        await context.send_initial_metadata((("x-initial", "yes"),))
+        context.set_trailing_metadata((("x-trailing", "done"), ("x-raw-bin", b"\x00\xff")))
+        return request
+
+    async def refuse(self, request: bytes, context: Any) -> bytes:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tensor 'x' is bad: ünïcode 100%")
+
+    async def slow(self, request: bytes, context: Any) -> bytes:
+        try:
+            await asyncio.sleep(float(request or b"5"))
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return b"late"
+
+    async def count(self, request: bytes, context: Any) -> AsyncIterator[bytes]:
+        for index in range(int(request)):
+            yield b"%d" % index
+
+    async def join(self, requests: AsyncIterator[bytes], context: Any) -> bytes:
+        return b"".join([message async for message in requests])
+
+    async def reverse(self, requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        async for message in requests:
+            yield message[::-1]
+
+    async def written(self, request: bytes, context: Any) -> None:
+        for index in range(3):
+            await context.write(request + b"%d" % index)
+
+    async def double(self, request: bytes, context: Any) -> bytes:
+        return request * 2
+
+    async def crash(self, request: bytes, context: Any) -> bytes:
+        raise RuntimeError("secret detail")
+
+    def generic(self) -> grpc.GenericRpcHandler:
+        unary, server_stream = (
+            grpc.unary_unary_rpc_method_handler,
+            grpc.unary_stream_rpc_method_handler,
+        )
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Echo": unary(self.echo),
+                "Refuse": unary(self.refuse),
+                "Slow": unary(self.slow),
+                "Crash": unary(self.crash),
+                "Double": unary(self.double),
+                "Count": server_stream(self.count),
+                "Written": server_stream(self.written),
+                "Join": grpc.stream_unary_rpc_method_handler(self.join),
+                "Reverse": grpc.stream_stream_rpc_method_handler(self.reverse),
+            },
+        )
+
+
+@dataclass
+class Served:
+    server: LeanServer
+    handlers: Handlers
+    channel: grpc.aio.Channel
+    port: int
+
+
+Scenario = Callable[[Served], Awaitable[None]]
+
+
+async def _serve(scenario: Scenario) -> None:
+    handlers = Handlers()
+    server = LeanServer(max_message_bytes=LIMIT)
+    server.add_generic_rpc_handlers((handlers.generic(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        await scenario(Served(server, handlers, channel, port))
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+def serving(scenario: Scenario) -> Callable[[], None]:
+    """A test running ``scenario`` against a fresh server, in an event loop of its own."""
+
+    def test() -> None:
+        asyncio.run(asyncio.wait_for(_serve(scenario), 30))
+
+    # Not functools.wraps: pytest would read the scenario's argument as a fixture.
+    test.__name__, test.__doc__ = scenario.__name__, scenario.__doc__
+    return test
+
+
+def _method(channel: grpc.aio.Channel, name: str) -> Any:
+    return channel.unary_unary(f"/{SERVICE}/{name}")
+
+
+@serving
+async def test_unary_call_with_metadata_both_ways(served: Served) -> None:
+    handlers, channel = served.handlers, served.channel
+    sent = (("x-caller", "me"), ("x-id-bin", b"\x01"), ("x-tag", "a"), ("x-tag", "b"))
+    call = _method(channel, "Echo")(b"hello", metadata=sent)
+    assert await call == b"hello"
+    assert ("x-initial", "yes") in tuple(await call.initial_metadata())
+    trailing = dict(tuple(await call.trailing_metadata()))
+    assert trailing["x-trailing"] == "done" and trailing["x-raw-bin"] == b"\x00\xff"
+    assert handlers.metadata["x-caller"] == "me" and handlers.metadata["x-id-bin"] == b"\x01"
+    assert [value for key, value in handlers.pairs if key == "x-tag"] == ["a", "b"]
+
+
+@serving
+async def test_large_messages_cross_flow_control_windows(served: Served) -> None:
+    channel = served.channel
+    big = bytes(range(256)) * 12_000  # 3 MB each way, far past the 64 KB default windows
+    answers = await asyncio.gather(*(_method(channel, "Echo")(big) for _ in range(4)))
+    assert all(answer == big for answer in answers)
+
+
+@serving
+async def test_many_calls_at_once_on_one_connection(served: Served) -> None:
+    channel = served.channel
+    answers = await asyncio.gather(*(_method(channel, "Echo")(b"%d" % i) for i in range(200)))
+    assert answers == [b"%d" % i for i in range(200)]
+
+
+@serving
+async def test_every_kind_of_streaming_call(served: Served) -> None:
+    channel = served.channel
+    counted = [m async for m in channel.unary_stream(f"/{SERVICE}/Count")(b"4")]
+    assert counted == [b"0", b"1", b"2", b"3"]
+    written = [m async for m in channel.unary_stream(f"/{SERVICE}/Written")(b"w")]
+    assert written == [b"w0", b"w1", b"w2"]
+
+    async def parts() -> AsyncIterator[bytes]:
+        for part in (b"a", b"b", b"c"):
+            yield part
+
+    assert await channel.stream_unary(f"/{SERVICE}/Join")(parts()) == b"abc"
+    call = channel.stream_stream(f"/{SERVICE}/Reverse")()
+    for message in (b"abc", b"xyz"):
+        await call.write(message)
+        assert await call.read() == message[::-1]
+    await call.done_writing()
+    assert await call.read() == grpc.aio.EOF
+    assert await call.code() == grpc.StatusCode.OK
+
+
+@serving
+async def test_an_abort_reaches_the_client_with_its_code_and_message(served: Served) -> None:
+    channel = served.channel
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _method(channel, "Refuse")(b"")
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == "tensor 'x' is bad: ünïcode 100%"
+
+
+@serving
+async def test_an_unexpected_error_is_unknown_without_its_detail(served: Served) -> None:
+    channel = served.channel
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _method(channel, "Crash")(b"")
+    assert caught.value.code() == grpc.StatusCode.UNKNOWN
+    assert "secret" not in (caught.value.details() or "")
+    assert await _method(channel, "Echo")(b"still serving") == b"still serving"
+
+
+@serving
+async def test_unknown_method_is_unimplemented(served: Served) -> None:
+    channel = served.channel
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _method(channel, "Nothing")(b"")
+    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+@serving
+async def test_the_deadline_ends_the_handler(served: Served) -> None:
+    handlers, channel = served.handlers, served.channel
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _method(channel, "Slow")(b"5", timeout=0.3)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await asyncio.wait_for(handlers.cancelled.wait(), 2)
+
+
+@serving
+async def test_a_client_cancel_cancels_the_handler(served: Served) -> None:
+    handlers, channel = served.handlers, served.channel
+    call = _method(channel, "Slow")(b"5")
+    await asyncio.sleep(0.2)
+    call.cancel()
+    await asyncio.wait_for(handlers.cancelled.wait(), 2)
+    assert await _method(channel, "Echo")(b"after") == b"after"
+
+
+@serving
+async def test_a_message_over_the_limit_is_resource_exhausted(served: Served) -> None:
+    channel = served.channel
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _method(channel, "Echo")(b"x" * (LIMIT + 1))
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in (caught.value.details() or "")
+
+
+@serving
+async def test_an_answer_over_the_limit_is_resource_exhausted(served: Served) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await _method(served.channel, "Double")(b"z" * (LIMIT // 2 + 1))
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "Sent message larger than max" in (caught.value.details() or "")
+
+
+@serving
+async def test_compressed_requests_are_decompressed(served: Served) -> None:
+    message = b"compress me " * 1000
+    for compression in (grpc.Compression.Gzip, grpc.Compression.Deflate):
+        assert await _method(served.channel, "Echo")(message, compression=compression) == message
+
+
+@serving
+async def test_stop_lets_a_call_in_flight_finish_then_refuses_connections(served: Served) -> None:
+    server, channel = served.server, served.channel
+    call = _method(channel, "Slow")(b"0.3")
+    await asyncio.sleep(0.1)
+    await server.stop(2)
+    assert await call == b"late"
+    with (
+        pytest.raises(ConnectionRefusedError),
+        socket.create_connection(("127.0.0.1", served.port), 1),
+    ):
+        pass
+    assert await server.wait_for_termination(0)
+
+
+@serving
+async def test_garbage_instead_of_http2_closes_only_that_connection(served: Served) -> None:
+    channel = served.channel
+    reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\x00" * 64)
+    assert await asyncio.wait_for(reader.read(), 2) is not None  # closed (GOAWAY, then EOF)
+    writer.close()
+    assert await _method(channel, "Echo")(b"fine") == b"fine"
