@@ -41,6 +41,10 @@ class ServiceConfig(BaseModel):
     wire_port: int = Field(-1, ge=-1, le=65535)
     """Port of the wire door (shared/wire_door.py): the unary methods a service offers
     there, over HTTP/1.1 for Envoy's gRPC reverse bridge; 0 picks a free one, -1: off."""
+    grpc_server: Literal["asyncio", "grpcio"] = "asyncio"
+    """What serves the gRPC port: grpcio's server (grpc.aio), or the project's own on
+    asyncio (shared/h2grpc/), which costs a fraction of the CPU per call; cleartext
+    only, so with mutual TLS grpcio's serves."""
     max_message_bytes: int = Field(64 * 1024 * 1024, ge=4 * 1024 * 1024, le=2**31 - 1)
     """Largest gRPC message sent or received."""
     grace_period_s: float = Field(10.0, ge=0.0, le=600.0)

@@ -28,6 +28,8 @@ from shared import logs
 from shared.allocator import keep_large_blocks
 from shared.channels import use_mesh_tls
 from shared.config import ServiceConfig
+from shared.h2grpc.connection import MIN_PING_INTERVAL_S
+from shared.h2grpc.server import LeanServer
 from shared.interceptors import DrainGate, ErrorInterceptor, TracingInterceptor
 from shared.metrics_http import start_metrics_server
 from shared.mtls import MeshTls
@@ -36,7 +38,7 @@ from shared.wire_door import WireDoor, WireHandler
 
 log = logging.getLogger(__name__)
 
-PING_INTERVAL_MS = 500
+PING_INTERVAL_MS = int(MIN_PING_INTERVAL_S * 1000)
 """The shortest gap between a client's pings that a server takes without answering
 GOAWAY "too_many_pings" (after two strikes), with or without calls open. gRPC
 clients send at most one a second (BDP probes; keepalive every 30 s,
@@ -112,23 +114,7 @@ class MeshServer:
     async def start(self) -> None:
         """Bind, run the start hooks, then report SERVING."""
         keep_large_blocks()  # tensors of hundreds of KB, allocated and freed per request
-        limit = self.config.max_message_bytes
-        server = grpc.aio.server(
-            # Outermost first: the error map sees the gate's refusals, and the
-            # span records them.
-            interceptors=[
-                ErrorInterceptor(),
-                TracingInterceptor(tracer_for(self.tracer_provider, "meshserve.server")),
-                self.gate,
-            ],
-            options=[
-                ("grpc.max_send_message_length", limit),
-                ("grpc.max_receive_message_length", limit),
-                ("grpc.so_reuseport", 0),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_ping_interval_without_data_ms", PING_INTERVAL_MS),
-            ],
-        )
+        server = self._grpc_server()
         for add, servicer in self.parts.servicers:
             add(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -157,6 +143,30 @@ class MeshServer:
             await hook()
         for name in ["", *self.parts.service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def _grpc_server(self) -> grpc.aio.Server:
+        """grpc.aio's server, or the one on asyncio (shared/h2grpc/) where the config
+        asks for it and the port is cleartext."""
+        limit = self.config.max_message_bytes
+        # Outermost first: the error map sees the gate's refusals, and the span records them.
+        interceptors = [
+            ErrorInterceptor(),
+            TracingInterceptor(tracer_for(self.tracer_provider, "meshserve.server")),
+            self.gate,
+        ]
+        if self.config.grpc_server == "asyncio" and MeshTls.from_config(self.config) is None:
+            log.info("gRPC served on asyncio (shared/h2grpc/)")
+            return LeanServer(interceptors, limit)
+        return grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_send_message_length", limit),
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.so_reuseport", 0),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", PING_INTERVAL_MS),
+            ],
+        )
 
     async def _open_wire(self) -> None:
         """The wire door beside the gRPC port: the same drain gate, TLS and limit."""

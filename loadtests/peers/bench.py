@@ -66,24 +66,27 @@ from deploy.local.procfs import TICKS
 
 SERVERS = (
     *("mesh", "kserve", "torchserve", "fastapi"),
-    *("mesh-log", "baseline", "mesh-door", "mesh-adapter", "mesh-grpc"),
+    *("mesh-log", "baseline", "mesh-door", "mesh-adapter", "mesh-grpc", "mesh-grpcio"),
 )
 """mesh-log: the mesh with Envoy's access log on; baseline: the mesh of --baseline's tree;
 mesh-door / mesh-adapter: the mesh with REST served by the orchestrator itself / by the
 HTTP adapter process (http_front_door); mesh-grpc: Envoy sends ModelInfer to the
-orchestrator's gRPC port, not its wire door."""
+orchestrator's gRPC port, not its wire door; mesh-grpcio: every gRPC port served by
+grpc.aio's server instead of the one on asyncio (shared/h2grpc/)."""
 MESH_LIKE = {
     "mesh-log": "mesh+log: ",
     "baseline": "baseline: ",
     "mesh-door": "in-orch: ",
     "mesh-adapter": "adapter: ",
     "mesh-grpc": "no wire: ",
+    "mesh-grpcio": "grpcio: ",
 }
 VARIANTS: dict[str, dict[str, dict[str, object]]] = {
     "mesh-log": {"envoy": {"access_log": True}},
     "mesh-door": {"supervisor": {"http_front_door": "orchestrator"}},
     "mesh-adapter": {"supervisor": {"http_front_door": "process"}},
     "mesh-grpc": {"orchestrator": {"wire_port": -1}},
+    "mesh-grpcio": {"defaults": {"grpc_server": "grpcio"}},
 }
 """Each mesh variant's changes to the mesh YAML (a service's settings, or the supervisor's)."""
 CACHE = Path("~/.cache/meshserve").expanduser()

@@ -117,9 +117,13 @@ def mesh_config(folder: Path, overrides: dict[str, dict[str, object]], root: Pat
     supervisor["jobs"] = {"enabled": False}
     supervisor["stages"] = [s for s in supervisor["stages"] if s["name"] == "inference"]
     for section, settings in overrides.items():
-        # "supervisor": the supervisor's own settings; any other name: that service's.
+        # "supervisor": the supervisor's own settings; "defaults": every service's;
+        # any other name: that service's.
         services = document["services"]
-        target = supervisor if section == "supervisor" else services.setdefault(section, {})
+        if section in ("supervisor", "defaults"):
+            target = document.setdefault(section, {})
+        else:
+            target = services.setdefault(section, {})
         target.update(settings)
     path = folder / "mesh.yaml"
     path.write_text(yaml.safe_dump(document, sort_keys=False))
