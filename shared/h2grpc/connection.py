@@ -388,24 +388,23 @@ class ServerConnection(asyncio.Protocol):
             self._finished(stream)
 
     def fits(self, stream: Stream, size: int) -> bool:
-        """Whether ``size`` bytes of DATA can go now, in one frame, without waiting."""
-        return (
-            not self._paused
-            and size <= self._max_frame
-            and size <= self._send_window
-            and size <= stream.send_window
-        )
+        """Whether ``size`` bytes of DATA can go now without waiting for the client."""
+        return not self._paused and size <= self._send_window and size <= stream.send_window
 
-    def write_data_now(self, stream: Stream, data: bytes, end_stream: bool = False) -> None:
-        """DATA that ``fits``: one frame."""
+    def write_data_now(self, stream: Stream, data: bytes) -> None:
+        """DATA that ``fits``, in frames of the client's largest size."""
         if stream.reset or self.closed:
             return
         self._sent_answer()
         self._send_window -= len(data)
         stream.send_window -= len(data)
-        self._queue(f.frame(f.DATA, f.END_STREAM if end_stream else 0, stream.id, data))
-        if end_stream:
-            self._finished(stream)
+        largest = self._max_frame
+        if len(data) <= largest:
+            self._queue(f.frame(f.DATA, 0, stream.id, data))
+            return
+        view = memoryview(data)
+        for start in range(0, len(data), largest):
+            self._queue(f.frame(f.DATA, 0, stream.id, bytes(view[start : start + largest])))
 
     async def write_data(self, stream: Stream, data: bytes) -> None:
         """DATA on ``stream``, as the windows let it go; waits for WINDOW_UPDATEs."""

@@ -149,6 +149,8 @@ async def test_large_messages_cross_flow_control_windows(served: Served) -> None
     big = bytes(range(256)) * 12_000  # 3 MB each way, far past the 64 KB default windows
     answers = await asyncio.gather(*(_method(channel, "Echo")(big) for _ in range(4)))
     assert all(answer == big for answer in answers)
+    several_frames = bytes(range(256)) * 160  # 40 KB: in the window, over one frame
+    assert await _method(channel, "Echo")(several_frames) == several_frames
 
 
 @serving
