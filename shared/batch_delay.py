@@ -73,6 +73,15 @@ class BatchDelay:
             self._gap_ns = float(gap) if learned == 0 else learned + WEIGHT * (gap - learned)
         self._last_ns = self._newest_ns = now_ns
 
+    def waits_for_company(self) -> bool:
+        """Whether a lone request would be held for others to join it (``deadline_ns``
+        past its arrival); if not, it may as well run the moment it arrives."""
+        if self._max_ns == 0:
+            return False
+        if self.policy == "fixed":
+            return True
+        return self._company >= COMPANY_SHARE and self._gap_ns != 0
+
     def deadline_ns(self, oldest_ns: int) -> int:
         """When a partial batch whose oldest request arrived at ``oldest_ns`` goes."""
         limit = oldest_ns + self._max_ns

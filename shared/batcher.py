@@ -259,12 +259,9 @@ class DynamicBatcher:
         self._order: deque[_Entry] = deque()  # arrival order, used with preserve_ordering
         self._executing = 0
         self._busy: set[int] = set()  # ids of the instances running a batch
-        # Instances a request may run on at once (never while batches are combined).
-        self._immediate = (
-            ()
-            if self._combine
-            else tuple(i for i in self._instances if isinstance(i, ImmediateInstance))
-        )
+        # Instances a request may run on at once: when nothing waits and, where batches
+        # are combined, requests are seen to come alone (BatchDelay.waits_for_company).
+        self._immediate = tuple(i for i in self._instances if isinstance(i, ImmediateInstance))
         self._wakeup = asyncio.Event()  # the queue changed: replan
         self._planning = asyncio.Lock()  # one free worker plans at a time
         self._workers: list[asyncio.Task[None]] = []
@@ -297,7 +294,7 @@ class DynamicBatcher:
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """Queue ``request``, wait until its batch has run, and return its response."""
-        if self._immediate:
+        if self._immediate and not (self._combine and self._delay.waits_for_company()):
             outcome = self._run_now(request)
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -361,6 +358,8 @@ class DynamicBatcher:
                 results = [error]
             if results is None:
                 return None
+            if self._combine:  # it arrived all the same: the delay learns from it
+                self._delay.arrived(start_ns, company=self.in_flight > 0)
             if self._on_batch is not None:
                 record = BatchRecord(
                     self.name,
@@ -383,7 +382,7 @@ class DynamicBatcher:
     def _admit(self, request: InferRequest) -> _Entry:
         level, rows = self._admissible(request)
         policy = self._policy.queue_policy(level + 1)
-        if policy.max_queue_size and self._level_sizes[level] >= policy.max_queue_size:
+        if policy.max_queue_size and self._waiting(level) >= policy.max_queue_size:
             raise Overloaded(
                 f"model '{self.name}': queue is full (max_queue_size {policy.max_queue_size}"
                 f" at priority level {level + 1})"
@@ -403,6 +402,14 @@ class DynamicBatcher:
             self._order.append(entry)
         self._wakeup.set()
         return entry
+
+    def _waiting(self, level: int) -> int:
+        """Requests at ``level`` that will wait for an instance: those queued, less the
+        ones that idle instances take as soon as their workers run (a burst that
+        arrives at once is all queued before any worker has taken its first)."""
+        idle = len(self._instances) - len(self._busy)
+        taken_first = self.pending - self._level_sizes[level]  # other levels' requests
+        return self._level_sizes[level] - max(0, idle - taken_first)
 
     def _level_of(self, request: InferRequest) -> int:
         """The 0-based queue index of ``request``'s priority."""

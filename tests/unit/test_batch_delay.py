@@ -132,3 +132,17 @@ def test_a_stage_wide_default_from_the_mesh_yaml_yields_to_the_model_parameter(
     mesh.write_text("services:\n  inference:\n    default_queue_delay_policy: eager\n")
     with pytest.raises(ConfigError, match="default_queue_delay_policy"):
         load_config(StageConfig, ["--config", str(mesh)], {}, service="inference")
+
+
+def test_a_lone_request_waits_only_where_company_is_expected() -> None:
+    """The batcher runs a request at once when its delay would not hold it."""
+    adaptive = BatchDelay("adaptive", 5000)
+    assert not adaptive.waits_for_company()  # nothing learned: requests come alone
+    for step in range(20):
+        adaptive.arrived(step * 100_000, company=True)
+    assert adaptive.waits_for_company()
+    for step in range(20, 60):
+        adaptive.arrived(step * 100_000, company=False)
+    assert not adaptive.waits_for_company()
+    assert BatchDelay("fixed", 5000).waits_for_company()  # Triton's: always the delay
+    assert not BatchDelay("fixed", 0).waits_for_company()

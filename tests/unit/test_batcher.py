@@ -354,6 +354,26 @@ def test_full_queue_rejects_at_once_with_overloaded() -> None:
     assert run(scenario()) < 0.05
 
 
+def test_a_burst_counts_the_request_an_idle_instance_takes_as_running() -> None:
+    # Four requests arrive together, before the worker has taken any: the idle
+    # instance takes the first, so two wait and only the fourth is refused.
+    policy = BatchPolicy(
+        max_batch_size=1,
+        dynamic_batching=True,
+        default_queue_policy=QueuePolicy(max_queue_size=2),
+    )
+
+    async def scenario() -> list[object]:
+        batcher = DynamicBatcher(policy, [FakeInstance(delay=0.1)], name="resnet")
+        async with serving(batcher):
+            names = ("first", "q1", "q2", "over")
+            burst = [batcher.infer(make_request(name)) for name in names]
+            return await asyncio.gather(*burst, return_exceptions=True)
+
+    outcomes = run(scenario())
+    assert [isinstance(o, Overloaded) for o in outcomes] == [False, False, False, True]
+
+
 def test_timed_out_request_is_rejected_promptly_with_reject() -> None:
     instance = FakeInstance(delay=0.5)
     policy = BatchPolicy(
