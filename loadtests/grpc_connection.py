@@ -40,30 +40,41 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from loadtests.blocking_clients import BufferedSocket, StaleConnection
+from shared.h2grpc.frames import (
+    ACK,
+    CANCEL,
+    CONTINUATION,
+    DATA,
+    DEFAULT_WINDOW,
+    ENABLE_PUSH,
+    END_HEADERS,
+    END_STREAM,
+    GOAWAY,
+    HEADERS,
+    INITIAL_WINDOW_SIZE,
+    LAST_STREAM_ID,
+    MAX_CONCURRENT_STREAMS,
+    MAX_FRAME_SIZE,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY,
+    REFUSED_STREAM,
+    RST_STREAM,
+    SETTINGS,
+    WINDOW_UPDATE,
+)
+from shared.h2grpc.frames import frame as _frame
 from shared.hpack import HeaderDecoder, request_headers
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7, 0x8
-CONTINUATION = 0x9
-END_STREAM = ACK = 0x1
-END_HEADERS, PADDED, PRIORITY = 0x4, 0x8, 0x20
-ENABLE_PUSH, MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE = 0x2, 0x3, 0x4, 0x5
-REFUSED_STREAM, CANCEL = 0x7, 0x8
-DEFAULT_WINDOW = 65535
 WINDOW = 1 << 24
 """Our receive window, per stream and per connection: the server never waits on us."""
-LAST_STREAM_ID = (1 << 31) - 1
 ERROR_PAUSE_NS = 50_000_000
 """After a failed call its stream waits this long before the next call (as the closed
 loop's other workers do): no hot loop against a failing server."""
 
 Outcome = int | Exception
 """How one call ended: its latency in ns, or what it failed with."""
-
-
-def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
-    head = len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big")
-    return head + payload
 
 
 def host_port(address: str) -> tuple[str, int] | None:
