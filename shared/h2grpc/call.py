@@ -24,13 +24,8 @@ from typing import Any, NoReturn
 
 import grpc
 
-from shared.h2grpc.connection import (
-    Compressed,
-    ConnectionGone,
-    MessageTooLarge,
-    ServerConnection,
-    Stream,
-)
+from shared.h2grpc.connection import ServerConnection
+from shared.h2grpc.stream import Compressed, ConnectionGone, MessageTooLarge, Stream
 from shared.hpack import literal
 
 log = logging.getLogger(__name__)
@@ -260,8 +255,8 @@ class CallContext:
                 connection.write_headers(stream, trailers, end_stream=True)
 
         task = asyncio.get_running_loop().create_task(later())
-        _LATE_WRITES.add(task)
-        task.add_done_callback(_LATE_WRITES.discard)
+        connection.late_writes.add(task)  # held, so it is not collected mid-write
+        task.add_done_callback(connection.late_writes.discard)
 
     def end_cut(self) -> None:
         """The call was cut because the server stops: UNAVAILABLE, as grpc's server
@@ -270,10 +265,6 @@ class CallContext:
         self._details = "the server is stopping"
         self._trailing = ()
         self.finish()
-
-
-_LATE_WRITES: set[asyncio.Task[None]] = set()
-"""Answers waiting on flow control (held so they are not collected mid-write)."""
 
 
 async def run_call(connection: ServerConnection, stream: Stream, resolve: Resolve) -> None:

@@ -5,7 +5,7 @@ grpc.aio hands every call through its C core, a poller thread and the event
 loop; for the small unary calls that make up most of the mesh's traffic that
 costs several times what the mesh's own code does per call
 (docs/performance.md#a-grpc-server-on-asyncio). This server speaks HTTP/2
-(connection.py) and gRPC (call.py) itself, on the event loop, for cleartext
+(connection.py, stream.py) and gRPC (call.py) itself, on the event loop, for cleartext
 connections. It takes the same handlers, generic or registered, and the same
 ``grpc.aio.ServerInterceptor`` objects, so services and grpc's health and
 reflection servicers register on it unchanged; ``MeshServer`` picks it with
@@ -29,7 +29,8 @@ from typing import Any
 import grpc
 
 from shared.h2grpc.call import HandlerCallDetails, run_call
-from shared.h2grpc.connection import ServerConnection, Stream
+from shared.h2grpc.connection import ServerConnection
+from shared.h2grpc.stream import Stream
 
 
 class LeanServer(grpc.aio.Server):  # type: ignore[misc]

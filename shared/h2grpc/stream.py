@@ -1,0 +1,107 @@
+"""One HTTP/2 stream opened by a client, as the server's connection keeps it
+(connection.py): its request headers, the gRPC messages cut from its DATA, and
+the window the client gave it. No sockets here."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable
+
+HELD_LIMIT = 1 << 22
+"""Whole messages a stream may have waiting to be read before its window stops
+being replenished (backpressure on a client that streams faster than the handler reads)."""
+MESSAGE_HEAD = 5
+"""A gRPC message's prefix: a compressed flag and a 4-byte length."""
+
+
+class ConnectionGone(ConnectionError):
+    """The connection closed while a write waited."""
+
+
+class MessageTooLarge(ValueError):
+    """A request message longer than the server takes."""
+
+
+class Compressed(bytes):
+    """A request message sent with the compressed flag (call.py decompresses it)."""
+
+
+class Stream:
+    """One client-opened stream: its request headers, its messages, its send window."""
+
+    __slots__ = (
+        "_held",
+        "_pending_credit",
+        "_waiter",
+        "body",
+        "error",
+        "fields",
+        "id",
+        "messages",
+        "on_reset",
+        "pairs",
+        "remote_ended",
+        "reset",
+        "send_window",
+    )
+
+    def __init__(self, stream_id: int, send_window: int) -> None:
+        self.id = stream_id
+        self.fields: dict[bytes, bytes] = {}
+        """The request's header fields (a repeated name: its last value)."""
+        self.pairs: list[tuple[bytes, bytes]] = []
+        """The same, in order, repeated names and all (the call's metadata)."""
+        self.body = bytearray()
+        """DATA received and not yet cut into whole messages."""
+        self.messages: collections.deque[bytes] = collections.deque()
+        self.remote_ended = False
+        """The client ended its side (END_STREAM)."""
+        self.reset = False
+        """Reset by either side, or its connection went away: nothing more is written."""
+        self.error: Exception | None = None
+        """Why the request's messages cannot be read (too large, compressed)."""
+        self.send_window = send_window
+        self.on_reset: Callable[[], object] | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._held = 0
+        self._pending_credit = 0
+
+    async def read(self) -> bytes | None:
+        """The next request message; None once the client ended its side."""
+        while not self.messages:
+            if self.error is not None:
+                raise self.error
+            if self.remote_ended or self.reset:
+                return None
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        message = self.messages.popleft()
+        self._held -= len(message) + MESSAGE_HEAD
+        return message
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _received(self, data: bytes, limit: int) -> None:
+        """Cut whole messages from DATA; the first bad one sets ``error``."""
+        body = self.body
+        body += data
+        while len(body) >= MESSAGE_HEAD and self.error is None:
+            size = int.from_bytes(body[1:5], "big")
+            if size > limit:
+                self.error = MessageTooLarge(
+                    f"Received message larger than max ({size} vs. {limit})"
+                )
+            elif len(body) >= MESSAGE_HEAD + size:
+                message = bytes(body[MESSAGE_HEAD : MESSAGE_HEAD + size])
+                self.messages.append(Compressed(message) if body[0] else message)
+                self._held += MESSAGE_HEAD + size
+                del body[: MESSAGE_HEAD + size]
+                continue
+            break
+        self._wake()
