@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-import urllib.parse
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
@@ -39,7 +38,8 @@ import httptools  # type: ignore[import-untyped]
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from shared.errors import GENERIC_INTERNAL_MESSAGE, DeadlineExceeded, MeshError, bounded
+from shared.errors import GENERIC_INTERNAL_MESSAGE, DeadlineExceeded, MeshError
+from shared.grpc_headers import grpc_message, grpc_timeout
 from shared.interceptors import DrainGate, recorded, start_server_span
 from shared.trace_ids import TRACEPARENT
 from shared.tracing import extract_context
@@ -52,21 +52,9 @@ STATUS_HEADER = "x-grpc-status"
 MESSAGE_HEADER = "x-grpc-message"
 MAX_PIPELINED = 8
 """Requests one connection may have waiting behind the one being answered."""
-_UNESCAPED = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
-"""What grpc-message carries as it is (gRPC's percent-encoding: printable ASCII but %)."""
-_TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 
 WireHandler = Callable[[bytes, "WireContext"], Awaitable[bytes]]
 """A unary method: the serialised request and its context in, the serialised answer out."""
-
-
-def grpc_timeout(value: str) -> float | None:
-    """Seconds in a ``grpc-timeout`` header (``100m``, ``5S``); None if it is malformed."""
-    unit = _TIMEOUT_UNITS.get(value[-1:])
-    digits = value[:-1]
-    if unit is None or not digits.isdigit() or len(digits) > 8:
-        return None
-    return int(digits) * unit
 
 
 class WireContext:
@@ -107,8 +95,7 @@ def _answer(code: int, body: bytes, headers: Iterable[tuple[str, str]], message:
         b"x-grpc-status: %d\r\n" % code,
     ]
     if message:
-        quoted = urllib.parse.quote(bounded(message), safe=_UNESCAPED)
-        lines.append(f"{MESSAGE_HEADER}: {quoted}\r\n".encode("latin-1"))
+        lines.append(f"{MESSAGE_HEADER}: {grpc_message(message)}\r\n".encode("latin-1"))
     for key, value in headers:
         if "\r" not in value and "\n" not in value:
             lines.append(f"{key}: {value}\r\n".encode("latin-1", "replace"))

@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 
 import grpc
 
+from shared.grpc_headers import grpc_message, grpc_timeout
 from shared.h2grpc.connection import ServerConnection
 from shared.h2grpc.stream import Compressed, ConnectionGone, MessageTooLarge, Stream
 from shared.hpack import literal
@@ -36,14 +37,11 @@ Resolve = Callable[[str, tuple[tuple[str, str | bytes], ...]], Awaitable[Any]]
 _HEADERS_OK = b"\x88" + literal(b"", b"application/grpc", name_index=31)
 """``:status 200`` (static entry 8) and ``content-type: application/grpc``."""
 _STATUS_OK = literal(b"grpc-status", b"0")
-_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 _RESERVED = frozenset(
     (b"content-type", b"te", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding")
 )
 _ENCODINGS = {b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}
 """grpc-encoding -> zlib's wbits for it (gzip: with its header; deflate: zlib's)."""
-MAX_MESSAGE_DETAIL = 1024
-"""Longest grpc-message written (a status's details are cut to it)."""
 
 
 class HandlerCallDetails(grpc.HandlerCallDetails):  # type: ignore[misc]
@@ -357,10 +355,10 @@ def _framed(message: bytes) -> bytes:
 
 
 def _deadline(value: bytes | None) -> float | None:
-    """``grpc-timeout`` (digits and a unit) as a loop time; None without one."""
-    if not value or value[-1:] not in _TIMEOUT_UNITS or not value[:-1].isdigit():
+    """``grpc-timeout`` as a loop time; None without one (or a malformed one)."""
+    seconds = grpc_timeout(value.decode("ascii", "replace")) if value else None
+    if seconds is None:
         return None
-    seconds = int(value[:-1]) * _TIMEOUT_UNITS[value[-1:]]
     return asyncio.get_running_loop().time() + seconds
 
 
@@ -397,13 +395,5 @@ def _status_block(
         return _STATUS_OK
     block = literal(b"grpc-status", str(code.value[0]).encode())
     if details:
-        block += literal(b"grpc-message", _percent_encoded(details[:MAX_MESSAGE_DETAIL]))
+        block += literal(b"grpc-message", grpc_message(details).encode("ascii"))
     return block + _metadata_block(trailing)
-
-
-def _percent_encoded(text: str) -> bytes:
-    """grpc-message's encoding: printable ASCII but ``%`` as is, every other byte %XX."""
-    return b"".join(
-        bytes((byte,)) if 0x20 <= byte <= 0x7E and byte != 0x25 else b"%%%02X" % byte
-        for byte in text.encode("utf-8")
-    )

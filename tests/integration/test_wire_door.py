@@ -23,8 +23,9 @@ from opentelemetry import trace
 
 from inference import grpc_service_pb2 as pb
 from shared.errors import InvalidArgument
+from shared.grpc_headers import grpc_timeout
 from shared.interceptors import DrainGate
-from shared.wire_door import WireContext, WireDoor, grpc_timeout
+from shared.wire_door import WireContext, WireDoor
 from tests import grpcweb
 from tests.e2e.conftest import EDGE_MESH, start_mesh, stop_mesh
 from tests.harness import ROOT
