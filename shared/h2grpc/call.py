@@ -142,13 +142,11 @@ class CallContext:
     async def read(self) -> Any:
         """The next request message, or ``grpc.aio.EOF``."""
         message = await self._read()
-        if message is None:
-            return grpc.aio.EOF
-        return self.deserializer(message) if self.deserializer else message
+        return grpc.aio.EOF if message is None else self.decoded(message)
 
     async def write(self, message: Any) -> None:
         """One response message (a streaming answer's)."""
-        data = self._checked(self.serializer(message) if self.serializer else message)
+        data = self.encoded(message)
         if not self._headers_sent:
             self._send_headers(b"")
         await self._connection.write_data(self._stream, _framed(data))
@@ -205,10 +203,16 @@ class CallContext:
     async def requests(self) -> AsyncIterator[Any]:
         """The request messages, deserialized, until the client ends its side."""
         while (message := await self._read()) is not None:
-            yield self.deserializer(message) if self.deserializer else message
+            yield self.decoded(message)
 
-    def _checked(self, data: bytes) -> bytes:
-        """``data``, unless it is over the size the server sends (then the call fails)."""
+    def decoded(self, message: bytes) -> Any:
+        """A request message as the handler takes it."""
+        return self.deserializer(message) if self.deserializer else message
+
+    def encoded(self, response: Any) -> bytes:
+        """A response as its bytes, unless they are over the size the server sends
+        (then the call fails with RESOURCE_EXHAUSTED)."""
+        data: bytes = self.serializer(response) if self.serializer else response
         if len(data) > self._connection.limit:
             self._code = grpc.StatusCode.RESOURCE_EXHAUSTED
             self._details = (
@@ -283,9 +287,9 @@ async def run_call(connection: ServerConnection, stream: Stream, resolve: Resolv
         context.finish()
         return
     answer: bytes | None = None
+    timeout = asyncio.timeout_at(deadline)  # None: no deadline
     try:
-        timeout = asyncio.timeout_at(deadline) if deadline is not None else None
-        async with timeout if timeout is not None else contextlib.nullcontext():
+        async with timeout:
             handler = await resolve(path, metadata)
             if handler is None:
                 await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
@@ -293,7 +297,7 @@ async def run_call(connection: ServerConnection, stream: Stream, resolve: Resolv
     except grpc.aio.AbortError:
         pass
     except TimeoutError:
-        if timeout is None or not timeout.expired():
+        if not timeout.expired():
             _unexpected(context, path)
         else:
             context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -323,7 +327,7 @@ async def _invoke(handler: Any, context: CallContext) -> bytes | None:
         message = await context._read()
         if message is None:
             await context.abort(grpc.StatusCode.INTERNAL, "the call carried no request message")
-        request = handler.request_deserializer(message) if handler.request_deserializer else message
+        request = context.decoded(message)
         behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
     result = behavior(request, context)
     if handler.response_streaming:
@@ -340,8 +344,7 @@ async def _invoke(handler: Any, context: CallContext) -> bytes | None:
         result = await result
     if result is None or context.code() != grpc.StatusCode.OK:
         return None
-    serialize = handler.response_serializer
-    return context._checked(serialize(result) if serialize else result)
+    return context.encoded(result)
 
 
 def _unexpected(context: CallContext, path: str) -> None:

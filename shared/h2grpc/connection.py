@@ -51,7 +51,7 @@ class ServerConnection(asyncio.Protocol):
     ) -> None:
         self._on_stream = on_stream
         self._on_closed = on_closed
-        self._limit = self.limit = max_message_bytes
+        self.limit = max_message_bytes
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._preface = False
@@ -181,27 +181,27 @@ class ServerConnection(asyncio.Protocol):
         stream = self.streams.get(stream_id)
         if stream is None or stream.remote_ended:
             return  # a stream already reset or ended on our side: its data is dropped
-        padding = payload[0] + 1 if flags & f.PADDED and payload else 0
-        stream._received(
-            payload[(1 if padding else 0) : len(payload) - max(0, padding - 1)], self._limit
-        )
-        stream._pending_credit += len(payload)
-        if stream._held <= HELD_LIMIT and stream._pending_credit >= RECEIVE_WINDOW // 4:
-            self._queue(f.window_update(stream.id, stream._pending_credit))
-            stream._pending_credit = 0
+        try:
+            data = f.unpadded(payload, flags)
+        except ValueError as exc:
+            raise _ProtocolError(f.PROTOCOL_ERROR, str(exc)) from exc
+        stream.take_data(data, self.limit)
+        stream.pending_credit += len(payload)
+        self.replenish(stream)
         if flags & f.END_STREAM:
             stream.remote_ended = True
-            stream._wake()
+            stream.wake()
 
     def replenish(self, stream: Stream) -> None:
-        """Give back the window of messages read (called by the call layer after a read)."""
+        """Give ``stream`` back the window its DATA used, unless too many of its messages
+        wait unread (the call layer calls it after each read, this side on each DATA)."""
         if (
-            stream._pending_credit >= RECEIVE_WINDOW // 4
-            and stream._held <= HELD_LIMIT
+            stream.pending_credit >= RECEIVE_WINDOW // 4
+            and stream.held <= HELD_LIMIT
             and not stream.remote_ended
         ):
-            self._queue(f.window_update(stream.id, stream._pending_credit))
-            stream._pending_credit = 0
+            self._queue(f.window_update(stream.id, stream.pending_credit))
+            stream.pending_credit = 0
 
     def _on_continuation(self, stream_id: int, flags: int, payload: bytes) -> None:
         if self._partial is None or self._partial[0] != stream_id:
@@ -222,11 +222,11 @@ class ServerConnection(asyncio.Protocol):
         known = self.streams.get(stream_id)
         if known is not None:  # trailers from the client: its side ends
             known.remote_ended = True
-            known._wake()
+            known.wake()
             return
-        if stream_id % 2 == 0 or stream_id <= self._last_stream:
-            if stream_id <= self._last_stream:
-                return  # a stream we already closed
+        if stream_id <= self._last_stream:
+            return  # a stream we already closed
+        if stream_id % 2 == 0:
             raise _ProtocolError(f.PROTOCOL_ERROR, "a client stream id must be odd")
         self._last_stream = stream_id
         if self.going_away:
@@ -360,7 +360,7 @@ class ServerConnection(asyncio.Protocol):
         if stream.reset:
             return
         stream.reset = True
-        stream._wake()
+        stream.wake()
         if notify and stream.on_reset is not None:
             stream.on_reset()
         self._close_when_idle()

@@ -61,10 +61,17 @@ def goaway(last_stream: int, code: int, debug: bytes = b"") -> bytes:
     return frame(GOAWAY, 0, 0, last_stream.to_bytes(4, "big") + code.to_bytes(4, "big") + debug)
 
 
+def unpadded(payload: bytes, flags: int) -> bytes:
+    """A DATA or HEADERS frame's payload less its padding (PADDED)."""
+    if not flags & PADDED:
+        return payload
+    end = len(payload) - payload[0] if payload else -1
+    if end < 1:
+        raise ValueError("padding longer than the frame")
+    return payload[1:end]
+
+
 def header_block(payload: bytes, flags: int) -> bytes:
     """A HEADERS frame's header block fragment: its payload less padding and priority."""
-    start = 1 if flags & PADDED else 0
-    end = len(payload) - (payload[0] if flags & PADDED else 0)
-    if end < start:
-        raise ValueError("padding longer than the frame")
-    return payload[start + (5 if flags & PRIORITY else 0) : end]
+    block = unpadded(payload, flags)
+    return block[5:] if flags & PRIORITY else block

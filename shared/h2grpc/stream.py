@@ -31,16 +31,16 @@ class Stream:
     """One client-opened stream: its request headers, its messages, its send window."""
 
     __slots__ = (
-        "_held",
-        "_pending_credit",
         "_waiter",
         "body",
         "error",
         "fields",
+        "held",
         "id",
         "messages",
         "on_reset",
         "pairs",
+        "pending_credit",
         "remote_ended",
         "reset",
         "send_window",
@@ -60,12 +60,14 @@ class Stream:
         self.reset = False
         """Reset by either side, or its connection went away: nothing more is written."""
         self.error: Exception | None = None
-        """Why the request's messages cannot be read (too large, compressed)."""
+        """Why the request's messages cannot be read (one over the size limit)."""
         self.send_window = send_window
         self.on_reset: Callable[[], object] | None = None
         self._waiter: asyncio.Future[None] | None = None
-        self._held = 0
-        self._pending_credit = 0
+        self.held = 0
+        """Bytes of whole messages waiting to be read."""
+        self.pending_credit = 0
+        """Bytes received that the client's window has not been given back."""
 
     async def read(self) -> bytes | None:
         """The next request message; None once the client ended its side."""
@@ -80,14 +82,14 @@ class Stream:
             finally:
                 self._waiter = None
         message = self.messages.popleft()
-        self._held -= len(message) + MESSAGE_HEAD
+        self.held -= len(message) + MESSAGE_HEAD
         return message
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def _received(self, data: bytes, limit: int) -> None:
+    def take_data(self, data: bytes, limit: int) -> None:
         """Cut whole messages from DATA; the first bad one sets ``error``."""
         body = self.body
         body += data
@@ -100,8 +102,8 @@ class Stream:
             elif len(body) >= MESSAGE_HEAD + size:
                 message = bytes(body[MESSAGE_HEAD : MESSAGE_HEAD + size])
                 self.messages.append(Compressed(message) if body[0] else message)
-                self._held += MESSAGE_HEAD + size
+                self.held += MESSAGE_HEAD + size
                 del body[: MESSAGE_HEAD + size]
                 continue
             break
-        self._wake()
+        self.wake()
