@@ -438,6 +438,17 @@ class _Window:
     latencies_ns: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
+    def record(self, outcome: int | Exception) -> bool:
+        """One request's end (its latency in ns, or its failure), kept when it falls
+        inside the window; True when it succeeded."""
+        if isinstance(outcome, Exception):
+            if self.open:
+                self.errors.append(f"{type(outcome).__name__}: {outcome}"[:300])
+            return False
+        if self.open:
+            self.latencies_ns.append(outcome)
+        return True
+
 
 @dataclass(frozen=True)
 class LoadSettings:
@@ -540,13 +551,10 @@ async def _worker(call: Call, window: _Window) -> int:
         try:
             await call()
         except Exception as exc:  # a benchmark reports failures, it does not stop on them
-            if window.open:
-                window.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+            window.record(exc)
             await asyncio.sleep(0.05)  # no hot loop against a failing server
             continue
-        completed += 1
-        if window.open:
-            window.latencies_ns.append(time.perf_counter_ns() - started)
+        completed += window.record(time.perf_counter_ns() - started)
     return completed
 
 
@@ -558,28 +566,17 @@ def _thread_worker(call: BlockingCall, window: _Window) -> int:
         try:
             call()
         except Exception as exc:  # as _worker
-            if window.open:
-                window.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+            window.record(exc)
             time.sleep(0.05)
             continue
-        completed += 1
-        if window.open:
-            window.latencies_ns.append(time.perf_counter_ns() - started)
+        completed += window.record(time.perf_counter_ns() - started)
     return completed
 
 
 def _stream_worker(streams: Streams, k: int, window: _Window) -> int:
-    """``_thread_worker`` for ``k`` workers whose requests share one connection."""
-    completed = 0
-    for outcome in streams(k, lambda: window.closed):
-        if isinstance(outcome, Exception):  # its stream waits a moment (no hot loop)
-            if window.open:
-                window.errors.append(f"{type(outcome).__name__}: {outcome}"[:300])
-            continue
-        completed += 1
-        if window.open:
-            window.latencies_ns.append(outcome)
-    return completed
+    """``_thread_worker`` for ``k`` workers whose requests share one connection (a
+    failed stream waits a moment itself: no hot loop)."""
+    return sum(window.record(outcome) for outcome in streams(k, lambda: window.closed))
 
 
 ThreadJob = Callable[[_Window], int]
