@@ -8,8 +8,9 @@ forwards any stage model (services/orchestrator/ensembles.py gives way to a
 stage that serves an ensemble whole): one hop for the request instead of one
 per step. The graph and its checks are the orchestrator's (ensemble.py); each
 step goes to its model's ``ModelVersion`` (validation, batcher, statistics) as
-any caller's request does. An ensemble that this stage does not claim is run
-by the orchestrator, step by step, as before.
+any caller's request does; requests that arrive together go through the
+steps as one batch (ensemble_batches.py). An ensemble that this stage does not
+claim is run by the orchestrator, step by step, as before.
 
 No gRPC here.
 """
@@ -20,6 +21,7 @@ import numpy as np
 from opentelemetry import trace
 
 from inference import model_config_pb2 as mc
+from services.colocated.ensemble_batches import EnsembleBatches, ensemble_policy
 from services.orchestrator.ensemble import EnsemblePlan, ModelIO, Step, WireTensor
 from shared.backend import BackendInstance, InstanceSpec, LoopModel, ModelSpec, is_decoupled
 from shared.errors import ConfigError, FailedPrecondition, MeshError, Unavailable
@@ -83,7 +85,9 @@ class LocalEnsembleBackend:
                 ) from exc
             models[step.model_name] = ModelIO.from_config(loaded.spec.config)
         plan = EnsemblePlan.build(model.config, models)
-        return LocalEnsemble(plan, manager, self._tracer)
+        ensemble = LocalEnsemble(plan, manager, self._tracer)
+        await ensemble.start_batching()
+        return ensemble
 
 
 class LocalEnsemble:
@@ -93,8 +97,26 @@ class LocalEnsemble:
         self.plan = plan
         self._manager = manager
         self._tracer = tracer
+        self.batches: EnsembleBatches | None = None
+        """Concurrent requests batched through the graph (ensemble_batches.py)."""
+
+    async def start_batching(self) -> None:
+        """Batch the ensemble's requests when it and every step have a batch dimension."""
+        steps = [self._manager.get(step.model, step.version) for step in self.plan.steps]
+        lanes = max(1, *(len(step.instances) for step in steps))
+        policy = ensemble_policy(self.plan.config, [step.spec.config for step in steps], lanes)
+        if policy is None:
+            return
+        self.batches = EnsembleBatches(self.plan.name, policy, lanes, self.run, self._tracer)
+        await self.batches.start()
 
     async def infer(self, request: InferRequest) -> InferResponse:
+        """The request's outputs, from its batch's run when the ensemble batches."""
+        if self.batches is not None:
+            return await self.batches.infer(request)
+        return await self.run(request)
+
+    async def run(self, request: InferRequest) -> InferResponse:
         """Run the graph on the request's inputs; its outputs, as asked for."""
 
         async def call(
@@ -119,7 +141,9 @@ class LocalEnsemble:
         return InferResponse(outputs={name: _array(name, produced[name]) for name in wanted})
 
     async def close(self) -> None:
-        """Nothing to release: the steps' models are the stage's."""
+        """Finish the batches queued; the steps' models are the stage's to release."""
+        if self.batches is not None:
+            await self.batches.stop()
 
 
 def _wire(array: np.ndarray) -> WireTensor:

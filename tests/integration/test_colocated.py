@@ -62,12 +62,18 @@ def diamond_request(a: np.ndarray) -> pb.ModelInferRequest:
     return request
 
 
-async def success_count(address: str, model: str) -> int:
-    """The model's successful requests, as the stage at ``address`` counts them."""
+async def stage_statistics(address: str, model: str) -> pb.ModelStatistics:
+    """The model's statistics, as the stage at ``address`` keeps them."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
         stats = await stub.ModelStatistics(pb.ModelStatisticsRequest(name=model))
-    return int(stats.model_stats[0].inference_stats.success.count)
+    found: pb.ModelStatistics = stats.model_stats[0]
+    return found
+
+
+async def success_count(address: str, model: str) -> int:
+    """The model's successful requests, as the stage at ``address`` counts them."""
+    return int((await stage_statistics(address, model)).inference_stats.success.count)
 
 
 def test_an_ensemble_of_one_stages_models_runs_there_whole(repo: Path) -> None:
@@ -78,10 +84,12 @@ def test_an_ensemble_of_one_stages_models_runs_there_whole(repo: Path) -> None:
         for answer in map(decode_outputs, answers):
             np.testing.assert_allclose(answer["SUM_X2"], (a + 1) * 2)
             np.testing.assert_allclose(answer["DIFF_X3"], (a - 1) * 3)
-        # The stage ran the ensemble and each of its steps; the orchestrator forwarded it.
+        # The stage ran the ensemble and each of its steps (on every row, the requests
+        # that came together as one batch); the orchestrator forwarded it.
         assert await success_count(stage, "diamond") == 5
-        assert await success_count(stage, "add_sub") == 5
-        assert await success_count(stage, "triple_slow") == 5
+        for step in ("add_sub", "triple_slow"):
+            assert 1 <= await success_count(stage, step) <= 5
+            assert (await stage_statistics(stage, step)).inference_count == 10
         assert mesh.core.stages_of("diamond") == ["inference"]
         statistics = await mesh.v2.ModelStatistics(pb.ModelStatisticsRequest(name="diamond"))
         (diamond,) = statistics.model_stats
@@ -95,6 +103,114 @@ def test_an_ensemble_of_one_stages_models_runs_there_whole(repo: Path) -> None:
         assert sorted(t.name for t in metadata.outputs) == ["DIFF_X3", "SUM_X2"]
 
     in_colocated_mesh(repo, scenario)
+
+
+# X * 10 after 150 ms; a request with a negative value is refused INVALID_ARGUMENT.
+CHECKED_MODEL = """
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(0.15)
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            if (x < 0).any():
+                code = pb_utils.TritonError.INVALID_ARG
+                error = pb_utils.TritonError("X must not be negative", code)
+                responses.append(pb_utils.InferenceResponse(error=error))
+            else:
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 10)]))
+        return responses
+"""
+CHECKED_CONFIG = """
+name: "checked" backend: "python" max_batch_size: 8
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+instance_group [ { count: 2 kind: KIND_CPU } ]
+"""
+CHECKED_PIPELINE = """
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "checked" model_version: -1
+    input_map { key: "X" value: "X" } output_map { key: "Y" value: "Y" } }
+] }
+"""
+
+
+async def checked_waves(mesh: Mesh, values: list[float]) -> list[np.ndarray | grpc.aio.AioRpcError]:
+    """Three requests that keep the stage's paths busy (one run at once, one per lane
+    of the two ``checked`` instances), then ``values`` while they run: those wait
+    together and go through the step as one batch."""
+
+    async def call(value: float) -> np.ndarray | grpc.aio.AioRpcError:
+        request = pb.ModelInferRequest(model_name="checked_pipeline")
+        encode_inputs(request, {"X": np.array([[value]], dtype=np.float32)})
+        try:
+            return decode_outputs(await mesh.v2.ModelInfer(request))["Y"]
+        except grpc.aio.AioRpcError as exc:
+            return exc
+
+    busy = [asyncio.create_task(call(1.0))]
+    await asyncio.sleep(0.05)
+    busy += [asyncio.create_task(call(1.0)) for _ in range(2)]
+    await asyncio.sleep(0.05)
+    answers = await asyncio.gather(*(call(value) for value in values))
+    for answer in await asyncio.gather(*busy):
+        assert isinstance(answer, np.ndarray)
+        np.testing.assert_allclose(answer, [[10.0]])
+    return list(answers)
+
+
+@pytest.fixture
+def checked_repo(tmp_path: Path) -> Path:
+    (tmp_path / "checked" / "1").mkdir(parents=True)
+    (tmp_path / "checked" / "1" / "model.py").write_text(CHECKED_MODEL)
+    (tmp_path / "checked" / "config.pbtxt").write_text(CHECKED_CONFIG)
+    ensemble(tmp_path, "checked_pipeline", CHECKED_PIPELINE)
+    return tmp_path
+
+
+def test_requests_that_wait_together_run_through_the_steps_as_one_batch(
+    checked_repo: Path,
+) -> None:
+    async def scenario(mesh: Mesh) -> None:
+        values = [2.0, 3.0, 4.0, 5.0, 6.0]
+        answers = await checked_waves(mesh, values)
+        for value, answer in zip(values, answers, strict=True):
+            assert isinstance(answer, np.ndarray)
+            np.testing.assert_allclose(answer, [[value * 10]])  # its own row, not another's
+        step = await stage_statistics(mesh.stages[0].address, "checked")
+        assert step.inference_count == 8  # every row once
+        # The step batches nothing itself (no dynamic_batching): fewer executions than
+        # requests means the stage sent requests that waited together as one.
+        assert step.execution_count <= 4
+
+    in_colocated_mesh(checked_repo, scenario)
+
+
+def test_a_request_that_spoils_its_batch_fails_alone(checked_repo: Path) -> None:
+    async def scenario(mesh: Mesh) -> None:
+        good, bad, fine = await checked_waves(mesh, [2.0, -1.0, 3.0])
+        assert isinstance(good, np.ndarray) and isinstance(fine, np.ndarray)
+        np.testing.assert_allclose(good, [[20.0]])
+        np.testing.assert_allclose(fine, [[30.0]])
+        assert isinstance(bad, grpc.aio.AioRpcError)
+        assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "X must not be negative" in (bad.details() or "")
+        step = await stage_statistics(mesh.stages[0].address, "checked")
+        # The batch of three failed once, then each ran alone; only the bad one failed.
+        assert step.inference_stats.fail.count == 2
+        answer = (await checked_waves(mesh, [4.0]))[0]
+        assert isinstance(answer, np.ndarray)  # and the stage keeps serving
+        np.testing.assert_allclose(answer, [[40.0]])
+
+    in_colocated_mesh(checked_repo, scenario)
 
 
 def test_a_bad_input_names_the_tensor_and_the_stage_keeps_serving(repo: Path) -> None:
@@ -164,24 +280,41 @@ def test_text_embedding_runs_whole_on_a_colocated_stage_and_answers_as_step_by_s
     ensemble backend."""
     names = ["text_embedding", "minilm_tokenizer", "minilm", "mean_pool"]
     repo = build_repository(tmp_path / "repo", [], names, prepared_repository)
-    sentences = [b"A cat sits on the mat.", b"A kitten rests on a rug.", b"Stock prices fell."]
+    sentences = [
+        b"A cat sits on the mat.",
+        b"A kitten rests on a rug.",
+        b"Stock prices fell.",
+        b"The quarterly report showed that stock prices fell sharply after the "
+        b"central bank raised interest rates again, to the surprise of analysts.",
+    ]
 
-    async def embed(whole: bool) -> tuple[np.ndarray, int]:
+    def request_for(texts: list[bytes]) -> pb.ModelInferRequest:
+        request = pb.ModelInferRequest(model_name="text_embedding")
+        encode_inputs(request, {"TEXT": np.array(texts, dtype=object).reshape(-1, 1)})
+        return request
+
+    async def embed(whole: bool) -> tuple[np.ndarray, np.ndarray, int]:
         registered = colocated.backends(["tokenizer", "inference", "postprocess"])
         if not whole:
             del registered["ensemble"]
         async with running_stage(repo, registered) as mesh:
-            request = pb.ModelInferRequest(model_name="text_embedding")
-            encode_inputs(request, {"TEXT": np.array(sentences, dtype=object).reshape(-1, 1)})
-            answer = decode_outputs(await mesh.v2.ModelInfer(request, timeout=60))
+            answer = decode_outputs(await mesh.v2.ModelInfer(request_for(sentences), timeout=60))
+            # One request per sentence, all at once: on the colocated stage they go
+            # through the steps together, padded to the longest.
+            alone = await asyncio.gather(
+                *(mesh.v2.ModelInfer(request_for([text]), timeout=60) for text in sentences)
+            )
+            each = np.concatenate([decode_outputs(one)["EMBEDDING"] for one in alone])
             stage = mesh.stages[0].address
             on_stage = await success_count(stage, "text_embedding") if whole else 0
-            return answer["EMBEDDING"], on_stage
+            return answer["EMBEDDING"], each, on_stage
 
-    whole, ran_there = asyncio.run(embed(whole=True))
-    stepwise, _ = asyncio.run(embed(whole=False))
-    assert ran_there == 1
-    assert whole.shape == (3, 384)
+    whole, whole_each, ran_there = asyncio.run(embed(whole=True))
+    stepwise, stepwise_each, _ = asyncio.run(embed(whole=False))
+    assert ran_there == 1 + len(sentences)
+    np.testing.assert_allclose(whole_each, whole, atol=1e-5)
+    np.testing.assert_allclose(stepwise_each, stepwise, atol=1e-5)
+    assert whole.shape == (len(sentences), 384)
     np.testing.assert_allclose(np.linalg.norm(whole, axis=1), 1.0, atol=1e-4)
     np.testing.assert_allclose(whole, stepwise, atol=1e-5)
     similar, unrelated = float(whole[0] @ whole[1]), float(whole[0] @ whole[2])
