@@ -6,7 +6,10 @@ step's batcher, its statistics and a split of the step's batch, per step and
 request. When the ensemble and all its steps are batched (``max_batch_size`` >
 0), the requests that arrive together are stacked along dim 0 and the graph
 runs once for all of them, as a one-process server runs its steps on a batch;
-the ensemble's outputs are then split back by rows.
+the ensemble's outputs are then split back by rows. (The orchestrator's
+step-by-step ensembles do not batch so: there each lane would hold its batch
+through three stage round trips, and at 16 in flight the batches came out
+smaller and slower than the steps' own batchers make them.)
 
 The queue is the shared ``DynamicBatcher`` (priorities, queue bounds and
 timeouts, cancellation while queued), with one lane per instance of the
