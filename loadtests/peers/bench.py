@@ -24,6 +24,11 @@ itself to. ``--plot`` writes a PNG of req/s and server CPU per request.
 ``--perf-analyzer`` also runs Triton's perf_analyzer on each way it speaks,
 right before or after the closed loop's window (the order alternates), on the
 same terms (triton_load.py), and prints the two generators' agreement.
+``--split-cores`` keeps the load generators (this process's threads and
+perf_analyzer) on the last core and every server process on the others, as
+Triton's docs advise for perf_analyzer (a load generator apart from the
+server): on a small host the generator's own CPU then no longer comes out of
+the server's, and the two generators measure the same server.
 ``--only mesh-log`` adds the mesh with Envoy's access log on, ``--only
 mesh-door`` the mesh with the HTTP front door inside the orchestrator
 (``supervisor.http_front_door: orchestrator``, the default: pinned, for a
@@ -39,6 +44,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import os
 import pickle
 import sys
 import tempfile
@@ -62,7 +68,7 @@ from peers.torchserve import java_missing, torchserve
 from peers.triton_load import Agreement
 from peers.ways import Way, all_ways, plain_json
 
-from deploy.local.procfs import TICKS
+from deploy.local.procfs import TICKS, descendants, tasks
 
 SERVERS = (
     *("mesh", "kserve", "torchserve", "fastapi"),
@@ -111,6 +117,9 @@ class Settings:
     """Also load each way perf_analyzer speaks with it, and compare."""
     save: Path | None
     """Pickle the raw results here (to print or plot them again)."""
+    server_cores: frozenset[int] | None = None
+    """With --split-cores: the cores every server process is kept on (the load
+    generators have the rest)."""
     rates: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)
     """The last closed-loop req/s of each (way, in flight), filled in as the run goes."""
 
@@ -171,6 +180,8 @@ async def one_round(
         with started(server, work, settings) as running:
             if running is None:
                 continue
+            if settings.server_cores is not None:
+                keep_on(running, settings.server_cores)
             chosen = [w for w in ways if w.server == server and _chosen(w, settings)]
             for index, way in enumerate(chosen):
                 for in_flight in settings.in_flight:
@@ -205,6 +216,24 @@ async def both(
     if run is None:
         return result, None
     return result, Agreement(way.label, in_flight, run, result, "pa" if pa_first else "loop")
+
+
+def split_cores() -> tuple[frozenset[int], frozenset[int]]:
+    """(the load generators' core, the servers' cores): the last core this process
+    may use, and the others."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--split-cores needs at least two cores")
+    return frozenset(cores[-1:]), frozenset(cores[:-1])
+
+
+def keep_on(running: Running, cores: frozenset[int]) -> None:
+    """Every thread of the server's processes (and their children) on ``cores``;
+    threads they start later inherit it."""
+    for pid in {p for top in running.pids.values() for p in descendants(top)}:
+        for task in tasks(pid):
+            with contextlib.suppress(OSError, ValueError):
+                os.sched_setaffinity(int(task.name), cores)
 
 
 def _chosen(way: Way, settings: Settings) -> bool:
@@ -247,6 +276,11 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         "--perf-analyzer", action="store_true", help="compare with Triton's perf_analyzer"
     )
     parser.add_argument("--save", type=Path, default=None, help="pickle the raw results here")
+    parser.add_argument(
+        "--split-cores",
+        action="store_true",
+        help="load generators on the last core, servers on the others",
+    )
     args = parser.parse_args(argv)
     chosen = tuple(s for s in args.only.split(",") if s)
     unknown = set(chosen) - set(SERVERS)
@@ -266,6 +300,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         tuple(part for part in args.ways.split(",") if part),
         args.perf_analyzer,
         args.save,
+        split_cores()[1] if args.split_cores else None,
     )
 
 
@@ -290,6 +325,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{python} is missing: run `make bench-peers` (it builds the peers' venvs)")
             return 2
     print(f"load average at start {load_average()}", flush=True)
+    if settings.server_cores is not None:
+        # Before any thread or child starts: they all inherit the generators' core.
+        client, server = split_cores()
+        os.sched_setaffinity(0, client)
+        print(f"load generators on cores {sorted(client)}, servers on {sorted(server)}")
     if settings.perf_analyzer and (why := triton_load.missing()) is not None:
         print(why)
         return 2
