@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from inference import model_config_pb2 as mc
 from services.colocated.ensemble_batches import EnsembleBatches, ensemble_policy
@@ -188,3 +191,53 @@ def test_more_rows_than_the_narrowest_step_takes_are_refused() -> None:
             await batches.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_batchs_steps_are_traced_under_the_first_caller_and_linked_to_every_caller() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    graph = Graph()
+
+    async def traced_run(request: InferRequest) -> InferResponse:
+        # As the graph's steps do: a span per step, under whatever span is current.
+        with tracer.start_as_current_span("ensemble step 0 checked"):
+            return await graph.run(request)
+
+    async def caller(batches: EnsembleBatches, name: str, value: float) -> int:
+        with tracer.start_as_current_span(name) as span:
+            await batches.infer(request([value]))
+            return span.get_span_context().span_id
+
+    async def scenario() -> list[int]:
+        policy = ensemble_policy(ENSEMBLE, [WIDE], 1)
+        assert isinstance(policy, BatchPolicy)
+        batches = EnsembleBatches("pipe", policy, 1, traced_run, tracer)
+        await batches.start()
+        try:
+            graph.release.clear()
+            first = asyncio.create_task(caller(batches, "alone", 1.0))
+            await graph.started.wait()  # runs at once, in its caller's task
+            second = asyncio.create_task(caller(batches, "lane", 1.0))
+            await asyncio.sleep(0.01)
+            rest = [asyncio.create_task(caller(batches, f"waiting {i}", 2.0)) for i in range(3)]
+            await asyncio.sleep(0.01)
+            graph.release.set()
+            return [await task for task in (first, second, *rest)]
+        finally:
+            await batches.stop()
+
+    alone, lane, *waiting = asyncio.run(scenario())
+    assert graph.batches == [1, 1, 3]
+    spans = exporter.get_finished_spans()
+    steps = [s for s in spans if s.name.startswith("ensemble step")]
+    parents = sorted(s.parent.span_id for s in steps if s.parent is not None)
+    (batch,) = [s for s in spans if s.name == "ensemble batch"]
+    # A request run alone (at once, or alone in its lane): its step under its caller.
+    assert len(steps) == 3
+    assert parents == sorted([alone, lane, batch.context.span_id])
+    # The batch: in the first waiting caller's trace, linked to all three callers.
+    assert batch.parent is not None and batch.parent.span_id == waiting[0]
+    assert sorted(link.context.span_id for link in batch.links) == sorted(waiting)
+    assert batch.attributes is not None and batch.attributes["meshserve.batch_requests"] == 3
