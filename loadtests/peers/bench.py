@@ -26,9 +26,9 @@ right before or after the closed loop's window (the order alternates), on the
 same terms (triton_load.py), and prints the two generators' agreement.
 ``--split-cores`` keeps the load generators (this process's threads and
 perf_analyzer) on the last core and every server process on the others, as
-Triton's docs advise for perf_analyzer (a load generator apart from the
-server): on a small host the generator's own CPU then no longer comes out of
-the server's, and the two generators measure the same server.
+if the load came from another host: on a small host the generator's own CPU
+then no longer comes out of the server's, and the two generators measure the
+same server.
 ``--only mesh-log`` adds the mesh with Envoy's access log on, ``--only
 mesh-door`` the mesh with the HTTP front door inside the orchestrator
 (``supervisor.http_front_door: orchestrator``, the default: pinned, for a
