@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
@@ -216,26 +216,38 @@ class TensorInstance(abc.ABC):
         """
         if len(requests) == 1 or not self.batched:
             return [self._one(request) for request in requests]
-        names = list(requests[0].inputs)
-        merged = {name: np.concatenate([r.inputs[name] for r in requests]) for name in names}
         try:
-            outputs = self.run(merged)
+            outputs = self.run(stacked_inputs(requests))
         except InvalidArgument:
             return [self._one(request) for request in requests]
-        rows = np.cumsum([r.batch_size(True) for r in requests])[:-1]
-        pieces = {name: np.split(array, rows) for name, array in outputs.items()}
-        return [
-            InferResponse(
-                outputs=_select({name: parts[index] for name, parts in pieces.items()}, request)
-            )
-            for index, request in enumerate(requests)
-        ]
+        return list(split_rows(outputs, requests))
 
     def _one(self, request: InferRequest) -> InferResponse | Exception:
         try:
             return InferResponse(outputs=_select(self.run(request.inputs), request))
         except InvalidArgument as exc:
             return exc
+
+
+def stacked_inputs(requests: Sequence[InferRequest]) -> dict[str, np.ndarray]:
+    """The requests' inputs concatenated along dim 0 (a batcher gave them the same
+    names, types and shapes past dim 0)."""
+    names = list(requests[0].inputs)
+    return {name: np.concatenate([r.inputs[name] for r in requests]) for name in names}
+
+
+def split_rows(
+    outputs: dict[str, np.ndarray], requests: Sequence[InferRequest]
+) -> list[InferResponse]:
+    """Each request's rows of a stacked run's outputs, only the outputs it asked for."""
+    rows = np.cumsum([r.batch_size(True) for r in requests])[:-1]
+    pieces = {name: np.split(array, rows) for name, array in outputs.items()}
+    return [
+        InferResponse(
+            outputs=_select({name: parts[index] for name, parts in pieces.items()}, request)
+        )
+        for index, request in enumerate(requests)
+    ]
 
 
 def _select(outputs: dict[str, np.ndarray], request: InferRequest) -> dict[str, np.ndarray]:

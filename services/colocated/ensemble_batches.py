@@ -28,11 +28,11 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
-import numpy as np
 from opentelemetry import trace
 from opentelemetry.context import Context
 
 from inference import model_config_pb2 as mc
+from shared.backend import split_rows, stacked_inputs
 from shared.batcher import BatchPolicy, DynamicBatcher
 from shared.errors import InvalidArgument
 from shared.queue_bounds import batch_policy
@@ -75,6 +75,7 @@ class EnsembleBatches:
     ) -> None:
         self._run = run
         self._tracer = tracer
+        self._traced = not isinstance(tracer, trace.NoOpTracer)
         self._contexts: dict[int, Context] = {}  # id(request) -> its caller's trace context
         self._alone_now = 0  # requests running outside the batcher (nothing else in flight)
         self.batcher = DynamicBatcher(
@@ -90,13 +91,12 @@ class EnsembleBatches:
                 return await self._run(request)
             finally:
                 self._alone_now -= 1
-        traced = not isinstance(self._tracer, trace.NoOpTracer)
-        if traced:
+        if self._traced:
             self._contexts[id(request)] = trace.set_span_in_context(trace.get_current_span())
         try:
             return await self.batcher.infer(request)
         finally:
-            if traced:
+            if self._traced:
                 del self._contexts[id(request)]
 
     async def execute(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
@@ -172,14 +172,10 @@ def _stack(requests: list[InferRequest]) -> InferRequest:
     """The requests as one: inputs concatenated along dim 0 (the batcher gave them
     the same names, types and shapes past dim 0)."""
     first = requests[0]
-    inputs = {
-        name: np.concatenate([request.inputs[name] for request in requests])
-        for name in first.inputs
-    }
     return InferRequest(
         first.model_name,
         first.model_version,
-        inputs,
+        stacked_inputs(requests),
         requested_outputs=_union(requests),
         id=first.id,
         priority=first.priority,
@@ -198,22 +194,10 @@ def _union(requests: list[InferRequest]) -> list[str] | None:
 
 def _split(answer: InferResponse, requests: list[InferRequest]) -> list[InferResponse | Exception]:
     """Each request's rows of the batch's outputs, only the outputs it asked for."""
-    rows = [request.batch_size(True) for request in requests]
-    total = sum(rows)
+    total = sum(request.batch_size(True) for request in requests)
     for name, array in answer.outputs.items():
         if array.ndim == 0 or array.shape[0] != total:
             raise InvalidArgument(  # not per row: the requests run alone instead
                 f"output '{name}' has {array.shape[:1]} rows for a batch of {total}"
             )
-    cuts = np.cumsum(rows)[:-1]
-    pieces = {name: np.split(array, cuts) for name, array in answer.outputs.items()}
-    return [
-        InferResponse(
-            outputs={
-                name: parts[index]
-                for name, parts in pieces.items()
-                if request.requested_outputs is None or name in request.requested_outputs
-            }
-        )
-        for index, request in enumerate(requests)
-    ]
+    return list(split_rows(answer.outputs, requests))
