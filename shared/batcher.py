@@ -26,7 +26,8 @@ rows fit ``max_batch_size``; the first request that does not fit closes the batc
 - otherwise wait for more requests, then send what is there: with the ``fixed``
   queue delay policy (Triton's) until ``max_queue_delay_us`` after the oldest queued
   request's arrival; with ``adaptive`` (the default) only while requests arrive
-  together, never longer (``shared/batch_delay.py``).
+  together, never longer (``shared/batch_delay.py``). A ``gathered`` request (a
+  batch formed upstream: nothing more of its traffic is on the way) goes at once.
 """
 
 from __future__ import annotations
@@ -294,7 +295,8 @@ class DynamicBatcher:
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """Queue ``request``, wait until its batch has run, and return its response."""
-        if self._immediate and not (self._combine and self._delay.waits_for_company()):
+        waits = self._combine and self._delay.waits_for_company() and not request.gathered
+        if self._immediate and not waits:
             outcome = self._run_now(request)
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -516,6 +518,8 @@ class DynamicBatcher:
             return batch[:cut]
         if closed or self._stopping or rows >= self._policy.max_batch_size:
             return batch
+        if any(entry.request.gathered for entry in batch):
+            return batch  # a batch formed upstream: what would join it is already in it
         heads = (queue[0] for queue in (*self._levels, self._delayed) if queue)
         oldest_ns = min(entry.request.queue_start_ns for entry in heads)
         wait_ns = self._delay.deadline_ns(oldest_ns) - now_ns

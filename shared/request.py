@@ -36,6 +36,10 @@ class InferRequest:
     compute_start_ns: int = 0
     cancelled: bool = False
     """Set once the caller went away (a model may stop early: ``is_cancelled()``)."""
+    gathered: bool = False
+    """Its rows are a batch some queue upstream already gathered (an ensemble's
+    batch through its steps): the model's batcher sends it without waiting for
+    others to join."""
 
     def batch_size(self, batched: bool) -> int:
         """Rows in this request: dim 0 of the first input, or 1 if unbatched."""

@@ -118,6 +118,10 @@ class LocalEnsemble:
 
     async def run(self, request: InferRequest) -> InferResponse:
         """Run the graph on the request's inputs; its outputs, as asked for."""
+        # With the ensemble batching, every request reaches the steps as (part of)
+        # a batch its queue gathered, so a step's batcher has nothing to wait for:
+        # the other lanes' batches are on the step's other instances.
+        gathered = self.batches is not None
 
         async def call(
             step: Step, inputs: dict[str, WireTensor], outputs: list[str]
@@ -131,6 +135,7 @@ class LocalEnsemble:
                 id=request.id,
                 priority=request.priority,
                 timeout_us=request.timeout_us,
+                gathered=gathered,
             )
             answer = await self._manager.get(step.model, step.version).infer(sub)
             return {name: _wire(array) for name, array in answer.outputs.items()}

@@ -127,11 +127,15 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 10)]))
         return responses
 """
+# Its own queue would hold a partial batch for 3 s (Triton's fixed delay): an
+# ensemble's batch, gathered already, must not wait there.
 CHECKED_CONFIG = """
 name: "checked" backend: "python" max_batch_size: 8
 input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
 output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
 instance_group [ { count: 1 kind: KIND_CPU } ]
+dynamic_batching { max_queue_delay_microseconds: 3000000 }
+parameters { key: "queue_delay_policy" value: { string_value: "fixed" } }
 """
 CHECKED_PIPELINE = """
 input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
@@ -187,9 +191,12 @@ def test_requests_that_wait_together_run_through_the_steps_as_one_batch(
             np.testing.assert_allclose(answer, [[value * 10]])  # its own row, not another's
         step = await stage_statistics(mesh.stages[0].address, "checked")
         assert step.inference_count == 7  # every row once
-        # The step batches nothing itself (no dynamic_batching): the two alone, then
-        # the five that waited together, as one.
+        # The two alone, then the five that waited together, as one.
         assert step.execution_count == 3
+        # None of the three (the five came as one request of five rows) sat out the
+        # step's 3 s delay; the second waited ~0.1 s for the instance the first held.
+        queue = step.inference_stats.queue
+        assert queue.count == 3 and queue.ns < 1e9
 
     in_colocated_mesh(checked_repo, scenario)
 

@@ -234,6 +234,30 @@ def test_adaptive_delay_runs_lone_requests_at_once_and_still_batches_overlapping
     assert all(max(record.queue_ns) < 1e9 for record in records)
 
 
+def test_a_batch_gathered_upstream_goes_at_once_and_takes_the_waiting_along() -> None:
+    instance = FakeInstance(delay=0.005)
+    # Triton's fixed 30 s delay: an ordinary partial batch sits it out.
+    policy = BatchPolicy(
+        max_batch_size=8,
+        dynamic_batching=True,
+        max_queue_delay_us=30_000_000,
+        queue_delay_policy="fixed",
+    )
+
+    async def scenario() -> None:
+        async with serving(DynamicBatcher(policy, [instance], name="m")) as batcher:
+            await infer_and_check(batcher, make_request("g1", rows=3, gathered=True))
+            waiting = spawn(batcher, make_request("o"))
+            await settle(0.05)
+            assert instance.batches == [["g1"]]  # the ordinary one waits for company
+            await infer_and_check(batcher, make_request("g2", rows=2, gathered=True))
+            await asyncio.gather(*waiting)
+
+    run(scenario(), timeout=2.0)
+    assert instance.batches == [["g1"], ["o", "g2"]]
+    assert instance.rows == [3, 3]
+
+
 def test_incompatible_shapes_never_share_a_batch() -> None:
     instance = FakeInstance(delay=0.01)
     policy = BatchPolicy(max_batch_size=16, dynamic_batching=True, max_queue_delay_us=20_000)
