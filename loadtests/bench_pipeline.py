@@ -31,7 +31,10 @@ In order:
 Every measurement is repeated ``--rounds`` times (the mesh's interleaved across
 levels) and the fastest run is reported: on a shared machine a neighbour only
 ever slows a run down. The "others" column says how busy the rest of the
-machine was during the run that is shown.
+machine was during the run that is shown. Because the host also drifts over
+minutes (the floor alone has moved by a third between runs), each of the mesh's
+rounds above 1 in flight runs one more floor window right before its own, and
+"paired rounds" gives each round's mesh/floor ratio and their median.
 
 The stage table shows, per model, its own measure of a request (ModelStatistics
 success time, queue included), its queue wait and its compute per row; at 1 in
@@ -187,6 +190,8 @@ class FloorRuns:
     results: dict[int, LoadResult]
     steps_ms: dict[str, float]
     """Model name of the step -> mean ms per input, one input at a time."""
+    overlap: dict[int, bool]
+    """Batch size -> whether the faster batched floor overlapped its first step."""
 
 
 def answer(floor: StepFloor, items: list[Any]) -> Any:
@@ -264,7 +269,7 @@ def measure_floor(floor: StepFloor, data: bytes, settings: Settings) -> FloorRun
     sequential = [floor_sequential(floor, data, seconds) for _ in range(rounds)]
     best, times = max(sequential, key=lambda pair: pair[0].rate)
     print(f"  floor b1: {_rates(run for run, _ in sequential)} req/s", flush=True)
-    results = {1: best}
+    results, overlap = {1: best}, {}
     with ThreadPoolExecutor(max_workers=settings.threads) as pool:
         for batch in (n for n in settings.in_flight if n > 1):
             tries = {
@@ -278,8 +283,50 @@ def measure_floor(floor: StepFloor, data: bytes, settings: Settings) -> FloorRun
                 f"serial {_rates(tries[False])} req/s",
                 flush=True,
             )
-            results[batch] = max([*tries[True], *tries[False]], key=lambda run: run.rate)
-    return FloorRuns(results, dict(zip(floor.steps, times.mean(axis=0).tolist(), strict=True)))
+            overlap[batch] = max(tries[True], key=_rate).rate >= max(tries[False], key=_rate).rate
+            results[batch] = max(tries[overlap[batch]], key=_rate)
+    steps_ms = dict(zip(floor.steps, times.mean(axis=0).tolist(), strict=True))
+    return FloorRuns(results, steps_ms, overlap)
+
+
+def _rate(run: LoadResult) -> float:
+    return run.rate
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One round's mesh run and the floor run just before it, at one level."""
+
+    in_flight: int
+    floor: float
+    mesh: float
+
+    @property
+    def ratio(self) -> float:
+        return self.mesh / self.floor
+
+
+class NeighbourFloor:
+    """The batched floor, in the faster mode, for one window right before each mesh
+    window: the host drifts between minutes-apart runs (the floor alone has moved
+    from 334 to 460 req/s), and a pair of adjacent windows shares its state."""
+
+    def __init__(self, floor: StepFloor, data: bytes, runs: FloorRuns, settings: Settings):
+        self._floor, self._data, self._overlap = floor, data, runs.overlap
+        self._seconds = settings.load.seconds
+        self._pool = ThreadPoolExecutor(max_workers=settings.threads)
+
+    def window(self, in_flight: int) -> float | None:
+        """req/s of one floor window at ``in_flight`` (None at 1: latency, not a rate)."""
+        if in_flight not in self._overlap:
+            return None
+        run = floor_batched(
+            self._floor, self._data, in_flight, self._seconds, self._pool, self._overlap[in_flight]
+        )
+        return run.rate
+
+    def close(self) -> None:
+        self._pool.shutdown()
 
 
 def _rates(runs: Iterable[LoadResult]) -> str:
@@ -363,24 +410,31 @@ class StageTimes:
 
 
 async def load_mesh(
-    info: MeshInfo, pipe: Pipeline, payload: bytes, settings: Settings
-) -> list[LoadResult]:
-    """Closed-loop load at each level, in rounds; the fastest run of each level is kept."""
-    runs = []
+    info: MeshInfo, pipe: Pipeline, payload: bytes, settings: Settings, neighbour: NeighbourFloor
+) -> tuple[list[LoadResult], list[Pair]]:
+    """Closed-loop load at each level, in rounds; the fastest run of each level is
+    kept, and each round's rate beside a floor window run just before it."""
+    runs, pairs = [], []
     async with grpc.aio.insecure_channel(info.orchestrator) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         for round_ in range(settings.load.rounds):
             for in_flight in settings.in_flight:
+                floor_rate = await asyncio.to_thread(neighbour.window, in_flight)
                 for deadline_s in (None, DEADLINE_S) if settings.with_deadline else (None,):
                     run = await load_once(
                         info, pipe, payload, settings, in_flight, stub, deadline_s
                     )
+                    paired = ""
+                    if floor_rate is not None and deadline_s is None:
+                        pairs.append(Pair(in_flight, floor_rate, run.rate))
+                        paired = f" (the floor just before: {floor_rate:.1f})"
                     print(
-                        f"  {run.label} @{in_flight} (round {round_ + 1}): {run.rate:.1f} req/s",
+                        f"  {run.label} @{in_flight} (round {round_ + 1}): {run.rate:.1f} req/s"
+                        f"{paired}",
                         flush=True,
                     )
                     runs.append(run)
-    return best_runs(runs)
+    return best_runs(runs), pairs
 
 
 async def load_once(
@@ -547,7 +601,22 @@ def ratio_lines(floor: FloorRuns, mesh: Sequence[LoadResult]) -> list[str]:
     return lines
 
 
-def print_report(pipe: Pipeline, floor: FloorRuns, mesh: Sequence[LoadResult]) -> None:
+def paired_lines(pairs: Sequence[Pair]) -> list[str]:
+    """Per level, each round's mesh rate over the floor window just before it."""
+    lines = []
+    for level in sorted({pair.in_flight for pair in pairs}):
+        ratios = [pair.ratio for pair in pairs if pair.in_flight == level]
+        lines.append(
+            f"paired rounds @{level}: {' '.join(f'{r:.2f}' for r in ratios)} "
+            f"(median {float(np.median(ratios)):.2f}; each round's mesh over the floor "
+            "window run just before it)"
+        )
+    return lines
+
+
+def print_report(
+    pipe: Pipeline, floor: FloorRuns, mesh: Sequence[LoadResult], pairs: Sequence[Pair]
+) -> None:
     """The two tables, the hop breakdown and the ratios."""
     print()
     print(throughput_table(pipe, floor, mesh))
@@ -557,6 +626,7 @@ def print_report(pipe: Pipeline, floor: FloorRuns, mesh: Sequence[LoadResult]) -
     print(stage_table(pipe, floor, mesh))
     print()
     print("\n".join([*hop_lines(pipe, floor, mesh), *ratio_lines(floor, mesh)]))
+    print("\n".join(paired_lines(pairs)))
     print(f"load average at end {load_average()}")
 
 
@@ -658,15 +728,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     floor_results = measure_floor(floor, data, settings)
     payload = infer_payload(pipe, data)
-    for one_process in settings.layouts:
-        layout = replace(pipe, colocated=one_process)
-        mesh_results = asyncio.run(mesh_run(layout, payload, settings))
-        print(f"\n== stages {'in one process' if one_process else 'each in its own process'}")
-        print_report(layout, floor_results, mesh_results)
+    neighbour = NeighbourFloor(floor, data, floor_results, settings)
+    try:
+        for one_process in settings.layouts:
+            layout = replace(pipe, colocated=one_process)
+            mesh_results, pairs = asyncio.run(mesh_run(layout, payload, settings, neighbour))
+            print(f"\n== stages {'in one process' if one_process else 'each in its own process'}")
+            print_report(layout, floor_results, mesh_results, pairs)
+    finally:
+        neighbour.close()
     return 0
 
 
-async def mesh_run(pipe: Pipeline, payload: bytes, settings: Settings) -> list[LoadResult]:
+async def mesh_run(
+    pipe: Pipeline, payload: bytes, settings: Settings, neighbour: NeighbourFloor
+) -> tuple[list[LoadResult], list[Pair]]:
     """Start the mesh, check one answer, load it; stop it."""
     with pipeline_mesh(settings.repository, pipe, settings.tracing) as info:
         outputs = await mesh_answer(info.orchestrator, payload)
@@ -675,7 +751,7 @@ async def mesh_run(pipe: Pipeline, payload: bytes, settings: Settings) -> list[L
             f"mesh ready ({info.orchestrator}, tracing {tracing}); {describe_answer(outputs)}",
             flush=True,
         )
-        return await load_mesh(info, pipe, payload, settings)
+        return await load_mesh(info, pipe, payload, settings, neighbour)
 
 
 if __name__ == "__main__":
