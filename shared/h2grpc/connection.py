@@ -27,6 +27,8 @@ RECEIVE_WINDOW = 1 << 22
 """What each stream may send us ahead of our reading it (4 MiB)."""
 CONNECTION_WINDOW = 1 << 24
 """What the whole connection may send us ahead (16 MiB)."""
+MAX_FRAME = 1 << 20
+"""Largest frame a client may send us (1 MiB)."""
 MAX_HEADER_BLOCK = 1 << 16
 """Largest header block taken (a longer one resets its stream)."""
 MIN_PING_INTERVAL_S = 0.5
@@ -88,44 +90,65 @@ class ServerConnection(asyncio.Protocol):
         ours = {
             f.ENABLE_PUSH: 0,
             f.INITIAL_WINDOW_SIZE: RECEIVE_WINDOW,
+            f.MAX_FRAME_SIZE: MAX_FRAME,
             f.MAX_HEADER_LIST_SIZE: MAX_HEADER_BLOCK,
         }
         self._queue(f.frame(f.SETTINGS, 0, 0, f.settings_payload(ours)))
         self._queue(f.window_update(0, CONNECTION_WINDOW - f.DEFAULT_WINDOW))
 
     def data_received(self, data: bytes) -> None:
+        # Frames are cut from the read itself, and only a frame cut off at its end is
+        # kept: a large message costs a copy per step it takes, so DATA goes on as a
+        # view (the stream copies what it keeps) and nothing else holds one past here.
         buffer = self._buffer
-        buffer += data
+        if buffer:
+            buffer += data
+            source: bytes | bytearray = buffer
+        else:
+            source = data
         pos = 0
         if not self._preface:
-            if len(buffer) < len(f.PREFACE):
+            if len(source) < len(f.PREFACE):
+                self._keep(source, pos)
                 return
-            if buffer[: len(f.PREFACE)] != f.PREFACE:
+            if source[: len(f.PREFACE)] != f.PREFACE:
                 self._fail(f.PROTOCOL_ERROR, b"not an HTTP/2 connection preface")
                 return
             pos, self._preface = len(f.PREFACE), True
-        size = len(buffer)
-        try:
-            while size - pos >= f.HEAD_BYTES and not self.closed:
-                length = int.from_bytes(buffer[pos : pos + 3], "big")
-                if length > f.LARGEST_FRAME:
-                    raise _ProtocolError(f.FRAME_SIZE_ERROR, "frame too large")
-                end = pos + f.HEAD_BYTES + length
-                if end > size:
-                    break
-                kind, flags = buffer[pos + 3], buffer[pos + 4]
-                stream = int.from_bytes(buffer[pos + 5 : pos + 9], "big") & f.LAST_STREAM_ID
-                payload = bytes(buffer[pos + f.HEAD_BYTES : end])
-                pos = end
-                self._frame(kind, flags, stream, payload)
-        except _ProtocolError as exc:
-            self._fail(exc.code, exc.args[0].encode())
-            return
-        del buffer[:pos]
+        size = len(source)
+        with memoryview(source) as view:
+            try:
+                while size - pos >= f.HEAD_BYTES and not self.closed:
+                    length = int.from_bytes(view[pos : pos + 3], "big")
+                    if length > f.LARGEST_FRAME:
+                        raise _ProtocolError(f.FRAME_SIZE_ERROR, "frame too large")
+                    end = pos + f.HEAD_BYTES + length
+                    if end > size:
+                        break
+                    kind, flags = source[pos + 3], source[pos + 4]
+                    stream = int.from_bytes(view[pos + 5 : pos + 9], "big") & f.LAST_STREAM_ID
+                    start, pos = pos + f.HEAD_BYTES, end
+                    if kind == f.DATA:
+                        with view[start:end] as payload:
+                            self._on_data(stream, flags, payload)
+                    else:
+                        self._frame(kind, flags, stream, bytes(view[start:end]))
+            except _ProtocolError as exc:
+                self._fail(exc.code, exc.args[0].encode())
+                return
+        self._keep(source, pos)
         if self._received >= CONNECTION_WINDOW // 2:
             self._queue(f.window_update(0, self._received))
             self._received = 0
         self._flush()
+
+    def _keep(self, source: bytes | bytearray, pos: int) -> None:
+        """Hold what follows ``pos`` (a frame not yet whole) for the next read."""
+        if source is self._buffer:
+            del self._buffer[:pos]
+        elif pos < len(source):
+            with memoryview(source) as view:
+                self._buffer += view[pos:]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -176,7 +199,9 @@ class ServerConnection(asyncio.Protocol):
     def _on_push_promise(self, stream: int, flags: int, payload: bytes) -> None:
         raise _ProtocolError(f.PROTOCOL_ERROR, "a client may not push")
 
-    def _on_data(self, stream_id: int, flags: int, payload: bytes) -> None:
+    def _on_data(self, stream_id: int, flags: int, payload: memoryview) -> None:
+        if self._partial is not None:
+            raise _ProtocolError(f.PROTOCOL_ERROR, "a header block was not continued")
         self._received += len(payload)
         stream = self.streams.get(stream_id)
         if stream is None or stream.remote_ended:
@@ -404,7 +429,6 @@ class ServerConnection(asyncio.Protocol):
 
 
 ServerConnection._ACTIONS = {
-    f.DATA: ServerConnection._on_data,
     f.HEADERS: ServerConnection._on_headers,
     f.CONTINUATION: ServerConnection._on_continuation,
     f.RST_STREAM: ServerConnection._on_rst_stream,

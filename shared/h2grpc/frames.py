@@ -3,6 +3,10 @@ server or client needs, and a frame's bytes. No sockets here."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+BytesLike = TypeVar("BytesLike", bytes, memoryview)
+
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 """What a client sends first on a connection."""
 
@@ -61,7 +65,7 @@ def goaway(last_stream: int, code: int, debug: bytes = b"") -> bytes:
     return frame(GOAWAY, 0, 0, last_stream.to_bytes(4, "big") + code.to_bytes(4, "big") + debug)
 
 
-def unpadded(payload: bytes, flags: int) -> bytes:
+def unpadded(payload: BytesLike, flags: int) -> BytesLike:
     """A DATA or HEADERS frame's payload less its padding (PADDED)."""
     if not flags & PADDED:
         return payload

@@ -89,21 +89,33 @@ class Stream:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def take_data(self, data: bytes, limit: int) -> None:
-        """Cut whole messages from DATA; the first bad one sets ``error``."""
+    def take_data(self, data: bytes | memoryview, limit: int) -> None:
+        """Cut whole messages from DATA; the first bad one sets ``error``. A message
+        is copied once out of the frame, or once more where it spans frames."""
         body = self.body
-        body += data
-        while len(body) >= MESSAGE_HEAD and self.error is None:
-            size = int.from_bytes(body[1:5], "big")
-            if size > limit:
-                self.error = MessageTooLarge(
-                    f"Received message larger than max ({size} vs. {limit})"
-                )
-            elif len(body) >= MESSAGE_HEAD + size:
-                message = bytes(body[MESSAGE_HEAD : MESSAGE_HEAD + size])
-                self.messages.append(Compressed(message) if body[0] else message)
+        if body:
+            body += data
+            source: bytes | bytearray | memoryview = body
+        else:
+            source = data
+        pos, end = 0, len(source)
+        with memoryview(source) as view:
+            while end - pos >= MESSAGE_HEAD and self.error is None:
+                size = int.from_bytes(view[pos + 1 : pos + MESSAGE_HEAD], "big")
+                if size > limit:
+                    self.error = MessageTooLarge(
+                        f"Received message larger than max ({size} vs. {limit})"
+                    )
+                    break
+                stop = pos + MESSAGE_HEAD + size
+                if stop > end:
+                    break
+                message = view[pos + MESSAGE_HEAD : stop].tobytes()
+                self.messages.append(Compressed(message) if view[pos] else message)
                 self.held += MESSAGE_HEAD + size
-                del body[: MESSAGE_HEAD + size]
-                continue
-            break
+                pos = stop
+            if source is not body and pos < end and self.error is None:
+                body += view[pos:]  # a message that goes on in the next frame
+        if source is body:
+            del body[:pos]
         self.wake()

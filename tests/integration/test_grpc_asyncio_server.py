@@ -8,6 +8,7 @@ the default server); here the server alone, on port 0, in this event loop.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -16,7 +17,10 @@ from typing import Any
 import grpc
 import pytest
 
+from shared.h2grpc import frames
+from shared.h2grpc.connection import MAX_FRAME
 from shared.h2grpc.server import LeanServer
+from shared.hpack import HeaderDecoder, request_headers
 
 SERVICE = "test.Echo"
 LIMIT = 4 * 1024 * 1024
@@ -275,3 +279,60 @@ async def test_garbage_instead_of_http2_closes_only_that_connection(served: Serv
     assert await asyncio.wait_for(reader.read(), 2) is not None  # closed (GOAWAY, then EOF)
     writer.close()
     assert await _method(channel, "Echo")(b"fine") == b"fine"
+
+
+def _message(body: bytes) -> bytes:
+    return b"\x00" + len(body).to_bytes(4, "big") + body
+
+
+async def _raw_call(
+    port: int, method: str, frames_out: list[bytes], piece: int
+) -> tuple[bytes, dict[bytes, bytes]]:
+    """One call by hand: the preface, windows wide enough for any answer, the
+    request's HEADERS, then ``frames_out``, written ``piece`` bytes at a time;
+    the answer's DATA and its trailers."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    wide = frames.settings_payload({frames.INITIAL_WINDOW_SIZE: 1 << 30})
+    opening = frames.frame(frames.SETTINGS, 0, 0, wide) + frames.window_update(0, 1 << 30)
+    head = frames.frame(frames.HEADERS, frames.END_HEADERS, 1, request_headers(method, "x"))
+    out = frames.PREFACE + opening + head + b"".join(frames_out)
+    for at in range(0, len(out), piece):
+        writer.write(out[at : at + piece])
+        await writer.drain()
+    answer, trailers, decoder = bytearray(), None, HeaderDecoder()
+    while trailers is None:
+        top = await reader.readexactly(frames.HEAD_BYTES)
+        length, kind, flags = int.from_bytes(top[:3], "big"), top[3], top[4]
+        payload = await reader.readexactly(length)
+        if kind == frames.DATA:
+            answer += payload
+        elif kind == frames.HEADERS:
+            fields = decoder.decode(payload)
+            if flags & frames.END_STREAM:
+                trailers = fields
+    writer.close()
+    return bytes(answer), trailers
+
+
+@serving
+async def test_messages_cut_anywhere_across_frames_and_reads_arrive_whole(served: Served) -> None:
+    """Messages that span DATA frames, several in one frame, a padded frame, a
+    frame over 16 KB (the server allows MAX_FRAME), all written in odd pieces:
+    the handler gets each message whole and in order."""
+    parts = [b"a" * 10, b"b" * 70_000, b"", b"c" * 3, b"d" * 200_000, b"e" * 5]
+    stream = b"".join(_message(part) for part in parts)
+    cuts = [0, 7, 9, 20, 40_000, 70_020, 70_040, 70_041, 150_000, 160_000, len(stream)]
+    data = []
+    for start, end in itertools.pairwise(cuts):
+        chunk = stream[start:end]
+        if start == 20:  # padded: a pad-length byte first, padding after
+            data.append(frames.frame(frames.DATA, frames.PADDED, 1, b"\x03" + chunk + b"\x00" * 3))
+        else:
+            data.append(frames.frame(frames.DATA, 0, 1, chunk))
+    assert max(len(frame) for frame in data) > frames.DEFAULT_MAX_FRAME
+    assert max(len(frame) for frame in data) < MAX_FRAME
+    data.append(frames.frame(frames.DATA, frames.END_STREAM, 1, b""))
+    for piece in (1_000_003, 4_099, 13):
+        answer, trailers = await _raw_call(served.port, f"/{SERVICE}/Join", data, piece)
+        assert trailers.get(b"grpc-status") == b"0", trailers
+        assert answer == _message(b"".join(parts))
