@@ -14,7 +14,7 @@ winning, so a field is also *set* on a serialised message by appending it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 _LENGTH_DELIMITED = 2
@@ -113,9 +113,20 @@ def repeated_field(data: bytes, number: int) -> list[bytes]:
     return values
 
 
-def repeated(number: int, values: list[bytes]) -> bytes:
+def repeated(number: int, values: Sequence[bytes]) -> bytes:
     """``values`` (serialised messages) as the repeated field ``number`` of a message."""
-    return b"".join([_length_delimited(number, value) for value in values])
+    return repeated_parts(number, [(value,) for value in values])
+
+
+def repeated_parts(number: int, values: Sequence[Sequence[bytes]]) -> bytes:
+    """As ``repeated``, each message given as the pieces it is the concatenation
+    of (a request and the fields set on it): a large request is copied once, into
+    the message, rather than once more for each field appended."""
+    tag = encode_varint(number << 3 | _LENGTH_DELIMITED)
+    out: list[bytes] = []
+    for pieces in values:
+        out += (tag, encode_varint(sum(map(len, pieces))), *pieces)
+    return b"".join(out)
 
 
 def infer_header(data: bytes) -> InferHeader:
@@ -151,19 +162,30 @@ def string_field(number: int, value: str) -> bytes:
     return _length_delimited(number, value.encode())
 
 
+def id_field(request_id: str) -> bytes:
+    """The id field of a ModelInferRequest or ModelInferResponse (appended: sets it)."""
+    return string_field(_ID, request_id)
+
+
 def with_id(data: bytes, request_id: str) -> bytes:
     """A serialised ModelInferRequest or ModelInferResponse with its id set."""
-    return data + string_field(_ID, request_id)
+    return data + id_field(request_id)
+
+
+def string_parameters(parameters: Mapping[str, str]) -> bytes:
+    """Each of ``parameters`` as a ModelInferRequest ``string_param`` (map entries:
+    appended to a request, the last entry of a key wins)."""
+    # map<string, InferParameter> entry: key = 1, value = 2 {string_param = 3}.
+    entries = (
+        string_field(1, key) + _length_delimited(2, string_field(3, value))
+        for key, value in parameters.items()
+    )
+    return b"".join(_length_delimited(_PARAMETERS, entry) for entry in entries)
 
 
 def with_string_parameters(data: bytes, parameters: Mapping[str, str]) -> bytes:
-    """A serialised ModelInferRequest with each of ``parameters`` set as a
-    ``string_param`` (a map entry appended: the last entry of a key wins)."""
-    for key, value in parameters.items():
-        # map<string, InferParameter> entry: key = 1, value = 2 {string_param = 3}.
-        entry = string_field(1, key) + _length_delimited(2, string_field(3, value))
-        data += _length_delimited(_PARAMETERS, entry)
-    return data
+    """A serialised ModelInferRequest with each of ``parameters`` set (string_parameters)."""
+    return data + string_parameters(parameters)
 
 
 def stream_answer(data: bytes) -> tuple[str, bytes]:

@@ -42,12 +42,13 @@ from shared.rpc import failure
 from shared.servicer import stream_failure
 from shared.wireformat import (
     WireError,
+    id_field,
     infer_header,
-    repeated,
     repeated_field,
+    repeated_parts,
     stream_answer,
+    string_parameters,
     with_id,
-    with_string_parameters,
 )
 
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
@@ -83,8 +84,9 @@ class ForwardStream:
         self._pending: dict[str, asyncio.Future[bytes]] = {}
         self._tags = itertools.count()
         self._sent = 0
-        self._waiting: list[tuple[str, bytes]] = []
-        """Requests (tag, bytes) not yet written, for the writer task."""
+        self._waiting: list[tuple[str, tuple[bytes, ...]]] = []
+        """Requests not yet written, for the writer task: (tag, the request's pieces:
+        its bytes and the fields set on it, joined only as they are written)."""
         self._writer: asyncio.Task[None] | None = None
         self._writing = asyncio.Lock()  # one message at a time on the call
         self._accepted: asyncio.Future[bool] = loop.create_future()
@@ -131,8 +133,10 @@ class ForwardStream:
         answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._pending[tag] = answer
         self._sent += 1
-        sent = with_id(request, tag)
-        self._waiting.append((tag, with_string_parameters(sent, carried) if carried else sent))
+        pieces: tuple[bytes, ...] = (request, id_field(tag))
+        if carried:
+            pieces += (string_parameters(carried),)
+        self._waiting.append((tag, pieces))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write(), name="forward-stream-write")
         try:
@@ -157,9 +161,9 @@ class ForwardStream:
             try:
                 async with self._writing:
                     if self.packed:
-                        await self._call.write(repeated(1, [data for _, data in batch]))
+                        await self._call.write(repeated_parts(1, [pieces for _, pieces in batch]))
                     else:
-                        await self._call.write(batch[0][1])
+                        await self._call.write(b"".join(batch[0][1]))
             except grpc.aio.AioRpcError as exc:
                 self._fail([tag for tag, _ in batch], _broken(exc))
             except (asyncio.InvalidStateError, grpc.aio.UsageError):
