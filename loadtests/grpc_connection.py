@@ -63,6 +63,7 @@ from shared.h2grpc.frames import (
     RST_STREAM,
     SETTINGS,
     WINDOW_UPDATE,
+    frame_head,
 )
 from shared.h2grpc.frames import frame as _frame
 from shared.hpack import HeaderDecoder, request_headers
@@ -133,7 +134,7 @@ class GrpcConnection(BufferedSocket):
         self._blocked: list[int] = []
         """Streams whose request waits for the server's window, oldest first."""
         self._finished: list[Outcome] = []
-        self._out: list[bytes] = []
+        self._out: list[bytes | memoryview] = []
         """Frames to send: they go in one write before we next wait for the server."""
         self._next_stream = 1
         self._send_window = self._initial_window = DEFAULT_WINDOW
@@ -269,12 +270,12 @@ class GrpcConnection(BufferedSocket):
             room = min(self._send_window, call.window, self._max_frame)
             if room <= 0:
                 return False
-            chunk = message[call.sent : call.sent + room]
+            chunk = memoryview(message)[call.sent : call.sent + room]  # joined once, in _flush
             call.sent += len(chunk)
             self._send_window -= len(chunk)
             call.window -= len(chunk)
             flags = END_STREAM if call.sent == len(message) else 0
-            self._out.append(_frame(DATA, flags, stream, chunk))
+            self._out += (frame_head(DATA, flags, stream, len(chunk)), chunk)
         return True
 
     def _unblock(self) -> None:

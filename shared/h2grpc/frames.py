@@ -31,8 +31,13 @@ HEAD_BYTES = 9
 
 def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
     """One frame: the 9-byte head, then ``payload``."""
-    head = len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big")
-    return head + payload
+    return frame_head(kind, flags, stream, len(payload)) + payload
+
+
+def frame_head(kind: int, flags: int, stream: int, length: int) -> bytes:
+    """The 9-byte head of a frame with ``length`` bytes of payload (a large payload
+    can then be written after it as it is, without a copy joined to its head)."""
+    return length.to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big")
 
 
 def settings_payload(values: dict[int, int]) -> bytes:
