@@ -321,7 +321,8 @@ async def test_messages_cut_anywhere_across_frames_and_reads_arrive_whole(served
     the handler gets each message whole and in order."""
     parts = [b"a" * 10, b"b" * 70_000, b"", b"c" * 3, b"d" * 200_000, b"e" * 5]
     stream = b"".join(_message(part) for part in parts)
-    cuts = [0, 7, 9, 20, 40_000, 70_020, 70_040, 70_041, 150_000, 160_000, len(stream)]
+    # 17: inside the second message's 5-byte head; 70_020-70_040: three messages begin
+    cuts = [0, 7, 9, 17, 20, 40_000, 70_020, 70_040, 70_041, 150_000, 160_000, len(stream)]
     data = []
     for start, end in itertools.pairwise(cuts):
         chunk = stream[start:end]
