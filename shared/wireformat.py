@@ -183,11 +183,6 @@ def string_parameters(parameters: Mapping[str, str]) -> bytes:
     return b"".join(_length_delimited(_PARAMETERS, entry) for entry in entries)
 
 
-def with_string_parameters(data: bytes, parameters: Mapping[str, str]) -> bytes:
-    """A serialised ModelInferRequest with each of ``parameters`` set (string_parameters)."""
-    return data + string_parameters(parameters)
-
-
 def stream_answer(data: bytes) -> tuple[str, bytes]:
     """A serialised ModelStreamInferResponse as its ``error_message`` (empty when
     none) and its ``infer_response``, still serialised."""

@@ -43,7 +43,7 @@ class ServerConnection(asyncio.Protocol):
     """The server's side of one HTTP/2 connection."""
 
     _ACTIONS: ClassVar[dict[int, Callable[[ServerConnection, int, int, bytes], None]]]
-    """Frame type -> what to do with it (set below the class)."""
+    """Frame type -> what to do with it (set below the class); DATA is _frame's own."""
 
     def __init__(
         self,
@@ -128,11 +128,8 @@ class ServerConnection(asyncio.Protocol):
                     kind, flags = source[pos + 3], source[pos + 4]
                     stream = int.from_bytes(view[pos + 5 : pos + 9], "big") & f.LAST_STREAM_ID
                     start, pos = pos + f.HEAD_BYTES, end
-                    if kind == f.DATA:
-                        with view[start:end] as payload:
-                            self._on_data(stream, flags, payload)
-                    else:
-                        self._frame(kind, flags, stream, bytes(view[start:end]))
+                    with view[start:end] as payload:
+                        self._frame(kind, flags, stream, payload)
             except _ProtocolError as exc:
                 self._fail(exc.code, exc.args[0].encode())
                 return
@@ -166,12 +163,15 @@ class ServerConnection(asyncio.Protocol):
 
     # -- frames in -------------------------------------------------------------
 
-    def _frame(self, kind: int, flags: int, stream: int, payload: bytes) -> None:
+    def _frame(self, kind: int, flags: int, stream: int, payload: memoryview) -> None:
         if self._partial is not None and kind != f.CONTINUATION:
             raise _ProtocolError(f.PROTOCOL_ERROR, "a header block was not continued")
+        if kind == f.DATA:  # the view itself: the stream copies what it keeps
+            self._on_data(stream, flags, payload)
+            return
         act = self._ACTIONS.get(kind)
         if act is not None:  # PRIORITY and unknown types are ignored, as RFC 9113 allows
-            act(self, stream, flags, payload)
+            act(self, stream, flags, payload.tobytes())
 
     def _on_headers(self, stream: int, flags: int, payload: bytes) -> None:
         block = f.header_block(payload, flags)
@@ -200,8 +200,6 @@ class ServerConnection(asyncio.Protocol):
         raise _ProtocolError(f.PROTOCOL_ERROR, "a client may not push")
 
     def _on_data(self, stream_id: int, flags: int, payload: memoryview) -> None:
-        if self._partial is not None:
-            raise _ProtocolError(f.PROTOCOL_ERROR, "a header block was not continued")
         self._received += len(payload)
         stream = self.streams.get(stream_id)
         if stream is None or stream.remote_ended:

@@ -32,7 +32,7 @@ from shared.tracing import (
     make_tracer_provider,
     tracer_for,
 )
-from shared.wireformat import repeated, repeated_field, with_id, with_string_parameters
+from shared.wireformat import repeated, repeated_field, string_parameters, with_id
 
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 
@@ -229,7 +229,7 @@ def test_each_request_forwarded_on_a_stream_gets_its_own_server_span(packed: boo
                             callers[f"~{index}"] = caller.get_span_context().span_id
                             carried = current_carrier()
                         carried["traceparent"] = carried["traceparent"][:-2] + flags
-                        data = with_string_parameters(data, carried)
+                        data += string_parameters(carried)
                     written.append(data)
                     if not packed:
                         await call.write(data)

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from inference import grpc_service_pb2 as pb
-from shared.wireformat import WireError, infer_header, with_id, with_string_parameters
+from shared.wireformat import WireError, infer_header, string_parameters, with_id
 
 
 def _text(rng: random.Random) -> str:
@@ -52,7 +52,7 @@ def test_parameters_set_on_the_wire_read_as_protobuf_sets_them() -> None:
     request.raw_input_contents.append(b"\x01" * 300)
     carried = {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01", "tracestate": "k=é"}
     amended = pb.ModelInferRequest.FromString(
-        with_string_parameters(request.SerializeToString(), carried)
+        request.SerializeToString() + string_parameters(carried)
     )
     assert {k: v.string_param for k, v in amended.parameters.items() if k != "priority"} == carried
     assert amended.parameters["priority"].int64_param == 2
