@@ -56,6 +56,7 @@ class Measurement:
     """What one perf_analyzer run reported."""
 
     levels: list[Level]
+    """By concurrency, as they ran."""
     client_requests: list[int]
     """"Request count" per level: requests the client completed in its windows."""
     server_requests: list[int]
@@ -93,15 +94,20 @@ def run(
     with report.open() as handle:
         rows = list(csv.DictReader(handle))
     report.unlink()
-    levels = [
-        Level(
-            int(row["Concurrency"]),
-            float(row["Inferences/Second"]),
-            float(row["p50 latency"]) / 1000.0,
-            float(row["p99 latency"]) / 1000.0,
-        )
-        for row in rows
-    ]
+    # The CSV lists the levels by increasing throughput, not by concurrency: put
+    # them back in the order they ran (the windows' counts below come in that order).
+    levels = sorted(
+        (
+            Level(
+                int(row["Concurrency"]),
+                float(row["Inferences/Second"]),
+                float(row["p50 latency"]) / 1000.0,
+                float(row["p99 latency"]) / 1000.0,
+            )
+            for row in rows
+        ),
+        key=lambda level: level.concurrency,
+    )
     return Measurement(
         levels,
         [int(n) for n in re.findall(r"^\s+Request count: (\d+)", output, re.MULTILINE)],
