@@ -6,7 +6,8 @@ one line per step::
 
     decode   each request's TEXT elements as UTF-8 (a bad element fails its request only)
     render   MESSAGES elements (a JSON chat) through the chat template, to text
-    encode   every text of every request in one ``encode_batch`` (Rust, multi-threaded)
+    encode   every text of every request: one at a time while they are short, else in
+             one ``encode_batch`` (Rust, multi-threaded)
     pad      to the batch's longest row, rounded up to ``pad_to_multiple_of``
     split    rows back per request: the input's shape with its last dim -> tokens
 
@@ -42,7 +43,9 @@ REQUIRED_OUTPUTS = OUTPUTS[:2]
 INLINE_BYTES = 1024
 """Requests with at most this much text in all run on the event loop: their
 template and encoding cost less than the hop to the instance's thread
-(docs/performance.md)."""
+(docs/performance.md). Texts this short are also encoded one at a time:
+``encode_batch`` hands them to its thread pool, which on two cores took twice the
+CPU for four 64-byte texts (84 against 38 µs each) and was no faster."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,8 @@ class TokenizerInstance:
         return _Texts(slot, text.shape[:-1], decoded, special=self.settings.add_special_tokens)
 
     def _encode(self, pending: list[_Texts]) -> list[Encoding]:
-        """One ``encode_batch`` per special-token setting (usually just one)."""
+        """Every text, per special-token setting (usually just one): one at a time
+        when they are short (``INLINE_BYTES``), else in one ``encode_batch``."""
         encodings: list[Encoding] = []
         for special in (True, False):
             texts: list[str] = []
@@ -171,7 +175,10 @@ class TokenizerInstance:
                 if item.special == special:
                     item.start = len(encodings) + len(texts)
                     texts.extend(item.texts)
-            if texts:
+            if sum(map(len, texts)) <= INLINE_BYTES:
+                encode = self.tokenizer.encode
+                encodings.extend(encode(text, add_special_tokens=special) for text in texts)
+            else:
                 encodings.extend(self.tokenizer.encode_batch(texts, add_special_tokens=special))
         return encodings
 

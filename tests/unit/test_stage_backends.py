@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 from PIL import Image
+from tokenizers import Tokenizer
 
 from inference import model_config_pb2 as mc
 from models import sources
@@ -351,6 +352,24 @@ def test_tokenizer_runs_short_texts_inline_and_long_ones_in_its_thread(tmp_path:
     assert not instance.runs_inline([request(TEXT=strings(b"y" * 300)) for _ in range(4)])
     # A malformed element (execute reports it) does not count as cheap.
     assert not instance.runs_inline([request(TEXT=np.array([7], dtype=object))])
+
+
+def test_tokenizer_encodes_short_and_long_batches_alike(tmp_path: Path) -> None:
+    # Short texts are encoded one at a time, a batch past INLINE_BYTES in one
+    # encode_batch: both must give each row what the tokenizer gives that text.
+    instance = TokenizerBackend().create_instance(tokenizer_model(tmp_path), INSTANCE)
+    reference = Tokenizer.from_file(str(sources.minilm_file("tokenizer.json")))
+    reference.no_padding()  # the file pads and truncates to 128; the instance does neither
+    reference.no_truncation()
+    texts = [b"hello world", b"The quick brown fox.", b"caf\xc3\xa9 au lait"]
+    for extra in ([], [b"a long one " * 100]):  # the second batch passes INLINE_BYTES
+        batch = [*texts, *extra]
+        (result,) = instance.execute([request(TEXT=strings(*batch))])
+        outputs = ok(result)
+        for row, text in enumerate(batch):
+            ids = reference.encode(text.decode()).ids
+            assert outputs["input_ids"][row, : len(ids)].tolist() == ids
+            assert outputs["attention_mask"][row].sum() == len(ids)
 
 
 class _Recorder:
