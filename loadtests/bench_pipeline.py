@@ -54,7 +54,7 @@ import contextlib
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -687,13 +687,21 @@ def subset_repository(source: Path, models: Sequence[str], folder: Path) -> Path
 
 
 @contextlib.contextmanager
-def pipeline_mesh(source: Path, pipe: Pipeline, tracing: bool) -> Iterator[MeshInfo]:
+def pipeline_mesh(
+    source: Path,
+    pipe: Pipeline,
+    tracing: bool,
+    *,
+    tree: Path = ROOT,
+    environment: Mapping[str, str] | None = None,
+) -> Iterator[MeshInfo]:
     """The local mesh on the pipeline's models alone (no LLM), tracing on or off, no
-    batch jobs; stopped by PID on exit."""
+    batch jobs; stopped by PID on exit. ``tree``: the checkout whose code it runs;
+    ``environment``: set in its processes' environment."""
     with tempfile.TemporaryDirectory(prefix="meshserve-pipeline-") as tmp:
         folder = Path(tmp)
         repository = subset_repository(source, pipe.models, folder)
-        document = yaml.safe_load((ROOT / "deploy" / "local" / "mesh.yaml").read_text())
+        document = yaml.safe_load((tree / "deploy" / "local" / "mesh.yaml").read_text())
         supervisor = document.setdefault("supervisor", {})
         supervisor["trace_store"] = tracing
         supervisor["jobs"] = {"enabled": False}
@@ -701,10 +709,11 @@ def pipeline_mesh(source: Path, pipe: Pipeline, tracing: bool) -> Iterator[MeshI
             document = colocated(document)  # as `meshserve serve --colocate` does
         config = folder / "mesh.yaml"
         config.write_text(yaml.safe_dump(document, sort_keys=False))
-        proc = start_supervisor(repository, config, folder / "mesh.log", 180.0)
+        log = folder / "mesh.log"
+        proc = start_supervisor(repository, config, log, 180.0, tree=tree, environment=environment)
         started: dict[int, int | None] = {}
         try:
-            info = wait_ready(proc, 180.0, folder / "mesh.log")
+            info = wait_ready(proc, 180.0, log)
             started = {pid: start_ticks(pid) for pid in info.pids.values()}
             yield info
         finally:

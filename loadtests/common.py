@@ -224,9 +224,16 @@ def running_mesh(
 
 
 def start_supervisor(
-    repository: Path, config: Path, log_path: Path, ready_timeout_s: float
+    repository: Path,
+    config: Path,
+    log_path: Path,
+    ready_timeout_s: float,
+    *,
+    tree: Path = ROOT,
+    environment: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[str]:
     """``python -m deploy.local.supervisor`` with free ports; its log goes to ``log_path``.
+    ``tree``: the checkout whose code the mesh runs; ``environment``: set over ours.
 
     The supervisor gives up by itself after ``ready_timeout_s`` (its stdout then
     ends), so the blocking readline in ``_wait_ready`` cannot hang forever.
@@ -238,11 +245,11 @@ def start_supervisor(
     with log_path.open("w") as log:
         return subprocess.Popen(
             command,
-            cwd=ROOT,
+            cwd=tree,
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, **(environment or {}), "PYTHONUNBUFFERED": "1"},
             # Own session: a terminal's Ctrl-C reaches only us, and we stop the mesh once.
             start_new_session=True,
         )
