@@ -7,10 +7,13 @@ as the model manager would, and runs ``execute`` on a list of requests.
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import shutil
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ from tokenizers import Tokenizer
 
 from inference import model_config_pb2 as mc
 from models import sources
+from services.inference.onnx import OnnxBackend
 from services.postprocess.classify import ClassifyBackend, softmax_top_k, top_k_indices
 from services.postprocess.pool import EmbeddingPoolBackend
 from services.preprocess.backend import ImagePreprocessBackend
@@ -297,6 +301,80 @@ def test_tokenizer_answers_only_the_requested_outputs(tmp_path: Path) -> None:
     req.requested_outputs = ["attention_mask"]
     (result,) = instance.execute([req])
     assert list(ok(result)) == ["attention_mask"]
+
+
+# -- onnxruntime --------------------------------------------------------------
+
+AFFINE_CONFIG = """
+name: "affine" backend: "onnxruntime" max_batch_size: 8
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] } ]
+"""
+
+
+def affine_model(folder: Path, scale: float) -> ModelSpec:
+    """Y = X * scale + 1, as model.onnx in a version folder."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    spec = make_spec(folder, AFFINE_CONFIG)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Mul", ["X", "scale"], ["scaled"]),
+            helper.make_node("Add", ["scaled", "one"], ["Y"]),
+        ],
+        "affine",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [-1, 4])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [-1, 4])],
+        [
+            helper.make_tensor("scale", TensorProto.FLOAT, [], [scale]),
+            helper.make_tensor("one", TensorProto.FLOAT, [], [1.0]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, str(spec.path / "model.onnx"))
+    return spec
+
+
+def test_onnx_cpu_instances_with_one_thread_share_one_session(tmp_path: Path) -> None:
+    spec = affine_model(tmp_path, 2.0)
+    backend = OnnxBackend()
+    first, second = (backend.create_instance(spec, INSTANCE) for _ in range(2))
+    wider = backend.create_instance(spec, replace(INSTANCE, intra_op_threads=2))
+    assert first.session is second.session
+    assert wider.session is not first.session  # its thread pool is its own
+
+    def answers(instance: Any, value: float) -> list[float]:
+        outputs = []
+        for _ in range(200):
+            (result,) = instance.execute([request(X=np.full((3, 4), value, dtype=np.float32))])
+            outputs += np.unique(ok(result)["Y"]).tolist()
+        return sorted(set(outputs))
+
+    # Both instances' threads run the one session at once, each with its own data.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        a, b = pool.map(answers, (first, second), (1.0, 10.0))
+    assert (a, b) == ([3.0], [21.0])
+    assert answers(wider, 1.0) == [3.0]
+
+    held = weakref.ref(first.session)
+    del first, second
+    gc.collect()
+    assert held() is None  # released with the last instance that held it
+
+
+def test_onnx_a_reload_gets_its_own_session(tmp_path: Path) -> None:
+    backend = OnnxBackend()
+    old = backend.create_instance(affine_model(tmp_path, 2.0), INSTANCE)
+    # The file changed and the version loads again while the old instance serves.
+    spec = affine_model(tmp_path, 3.0)
+    new = backend.create_instance(spec, INSTANCE)
+    assert new.session is not old.session
+    (result,) = new.execute([request(X=np.ones((1, 4), dtype=np.float32))])
+    assert ok(result)["Y"].tolist() == [[4.0] * 4]
+    (result,) = old.execute([request(X=np.ones((1, 4), dtype=np.float32))])
+    assert ok(result)["Y"].tolist() == [[3.0] * 4]
 
 
 # -- image_preprocess ---------------------------------------------------------
