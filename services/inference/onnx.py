@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.backend import InstanceSpec, ModelSpec, TensorInstance
+from shared.backend import InstanceSpec, ModelSpec, TensorInstance, parameter
 from shared.errors import ConfigError, InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -42,14 +42,16 @@ _INDEX = re.compile(r"\bidx=(-?\d+)")
 
 class _SharedSessions:
     """The CPU sessions that the instances of one load of a model version share
-    when each has one intra-op thread. ONNX Runtime runs concurrent calls of one
-    session each on its caller's thread (with one intra-op thread it starts none
-    of its own), so such instances compute as they would with a session each, but
-    hold and read one copy of the weights. A model's weights are read from memory
-    again on every run, most of a small batch's cost: two MiniLM instances each
-    running one row at a time took 5.0 ms of CPU per row sharing a session against
-    7.1 with one each (batches of 4: 3.8 against 3.9). A session lives while an
-    instance holds it; a reload (a new ModelSpec) gets its own."""
+    when each has one intra-op thread (or the config's parameter
+    ``share_session_between_instances`` says so). ONNX Runtime runs concurrent
+    calls of one session each on its caller's thread (with one intra-op thread
+    it starts none of its own), so such instances compute as they would with a
+    session each, but hold and read one copy of the weights. A model's weights
+    are read from memory again on every run, most of a small batch's cost: two
+    MiniLM instances each running one row at a time took 5.0 ms of CPU per row
+    sharing a session against 7.1 with one each (batches of 4: 3.8 against 3.9).
+    A session lives while an instance holds it; a reload (a new ModelSpec) gets
+    its own."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # instances are created in their own threads
@@ -116,7 +118,12 @@ class OnnxInstance(TensorInstance):
         def create() -> Any:
             return ort.InferenceSession(str(path), options, providers=providers)
 
-        shared = instance.device == "cpu" and instance.intra_op_threads == 1
+        # Triton's parameter, off there by default; here sharing is the default
+        # where it costs nothing (one intra-op thread each), and "true" shares
+        # instances with more threads too (their runs then share one thread pool).
+        share = parameter(spec, "share_session_between_instances", None, bool)
+        one_thread = instance.intra_op_threads == 1
+        shared = instance.device == "cpu" and (one_thread if share is None else share)
         self.session = _SHARED.get(spec, path, create) if shared else create()
         # A failed run is reported once, by us: ORT would also log every refused
         # request (an out-of-range token id) at ERROR on its own.

@@ -364,6 +364,17 @@ def test_onnx_cpu_instances_with_one_thread_share_one_session(tmp_path: Path) ->
     assert held() is None  # released with the last instance that held it
 
 
+@pytest.mark.parametrize(("share", "threads", "shared"), [("false", 1, False), ("true", 2, True)])
+def test_onnx_share_session_between_instances_as_configured(
+    tmp_path: Path, share: str, threads: int, shared: bool
+) -> None:
+    spec = affine_model(tmp_path, 2.0)
+    spec = replace(spec, parameters={"share_session_between_instances": share})
+    instance = replace(INSTANCE, intra_op_threads=threads)
+    first, second = (OnnxBackend().create_instance(spec, instance) for _ in range(2))
+    assert (first.session is second.session) == shared
+
+
 def test_onnx_a_reload_gets_its_own_session(tmp_path: Path) -> None:
     backend = OnnxBackend()
     old = backend.create_instance(affine_model(tmp_path, 2.0), INSTANCE)
