@@ -64,6 +64,30 @@ def prepared_repository() -> Path:
     return prepare_repository(cache_dir())
 
 
+def affine_onnx(path: Path, scale: float = 2.0) -> None:
+    """An ONNX model at ``path``: Y = X * scale + 1 over FP32 [-1, 4]."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Mul", ["X", "scale"], ["scaled"]),
+            helper.make_node("Add", ["scaled", "one"], ["Y"]),
+        ],
+        "affine",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [-1, 4])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [-1, 4])],
+        [
+            helper.make_tensor("scale", TensorProto.FLOAT, [], [scale]),
+            helper.make_tensor("one", TensorProto.FLOAT, [], [1.0]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8  # readable by every ONNX Runtime the project allows
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+
+
 def build_repository(
     target: Path, test_models: list[str], real_models: list[str], prepared: Path | None = None
 ) -> Path:

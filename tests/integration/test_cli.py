@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from shared.engine_cores import ENGINE_CORES_ENV, format_cores
+from tests.conftest import affine_onnx
 from tests.harness import RUNNING, log_tail, new_log, run_client
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,30 +87,6 @@ ensemble_scheduling {
   ]
 }
 """
-
-
-def affine_onnx(path: Path) -> None:
-    """Y = X * 2 + 1 over FP32 [-1, 4]."""
-    import onnx
-    from onnx import TensorProto, helper
-
-    graph = helper.make_graph(
-        [
-            helper.make_node("Mul", ["X", "two"], ["doubled"]),
-            helper.make_node("Add", ["doubled", "one"], ["Y"]),
-        ],
-        "affine",
-        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [-1, 4])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [-1, 4])],
-        [
-            helper.make_tensor("two", TensorProto.FLOAT, [], [2.0]),
-            helper.make_tensor("one", TensorProto.FLOAT, [], [1.0]),
-        ],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8  # readable by every ONNX Runtime the project allows
-    onnx.checker.check_model(model)
-    onnx.save(model, str(path))
 
 
 def write_repository(repo: Path) -> Path:

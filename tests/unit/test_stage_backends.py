@@ -36,6 +36,7 @@ from shared.errors import ConfigError, InvalidArgument
 from shared.model import ThreadedInstance
 from shared.request import InferRequest, InferResponse
 from shared.statistics import StatsRecorder
+from tests.conftest import affine_onnx
 
 INSTANCE = InstanceSpec(name="m_0", kind="KIND_CPU", device="cpu", intra_op_threads=1)
 
@@ -314,26 +315,8 @@ output [ { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] } ]
 
 def affine_model(folder: Path, scale: float) -> ModelSpec:
     """Y = X * scale + 1, as model.onnx in a version folder."""
-    import onnx
-    from onnx import TensorProto, helper
-
     spec = make_spec(folder, AFFINE_CONFIG)
-    graph = helper.make_graph(
-        [
-            helper.make_node("Mul", ["X", "scale"], ["scaled"]),
-            helper.make_node("Add", ["scaled", "one"], ["Y"]),
-        ],
-        "affine",
-        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [-1, 4])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [-1, 4])],
-        [
-            helper.make_tensor("scale", TensorProto.FLOAT, [], [scale]),
-            helper.make_tensor("one", TensorProto.FLOAT, [], [1.0]),
-        ],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    onnx.save(model, str(spec.path / "model.onnx"))
+    affine_onnx(spec.path / "model.onnx", scale)
     return spec
 
 
