@@ -25,7 +25,7 @@ import shutil
 import signal
 import socket
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,13 +45,21 @@ class JobsPlan:
     environment: dict[str, str] = field(default_factory=dict)
 
 
-def plan_jobs(mesh: Mapping[str, Any], auto_ports: bool, orchestrator: str) -> JobsPlan:
-    """Redis and the workers, when ``supervisor.jobs.enabled`` says so (default: off)."""
+def plan_jobs(
+    mesh: Mapping[str, Any],
+    auto_ports: bool,
+    orchestrator: str,
+    fresh_port: Callable[[], int] | None = None,
+) -> JobsPlan:
+    """Redis and the workers, when ``supervisor.jobs.enabled`` says so (default: off);
+    with ``auto_ports``, their ports from ``fresh_port`` (the plan's: never one of its
+    other ports)."""
     services = mesh.get("services") or {}
+    pick = fresh_port or free_port
 
     def ports(service: str) -> tuple[int, int]:
         if auto_ports:
-            return free_port(), free_port()
+            return pick(), pick()
         settings = services.get(service) or {}
         return int(settings.get("grpc_port", 0)), int(settings.get("metrics_port", -1))
 

@@ -34,7 +34,7 @@ import json
 import signal
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -52,11 +52,11 @@ from deploy.local.http_front_door import (
 from deploy.local.placement import CorePlacer, Placement
 from deploy.local.port_plan import Listener, PortPlanError, check_ports
 from deploy.local.reaper import Reaper
-from deploy.local.redis_server import plan_jobs
+from deploy.local.redis_server import JobsPlan, plan_jobs
 from deploy.local.service_process import ManagedProcess, ProcessSpec, log
 from deploy.local.supervisor_metrics import metrics_port, serve_metrics, stop_metrics
 from deploy.local.torchserve_edge import torchserve_edge
-from deploy.local.trace_store import plan_traces, route_edge
+from deploy.local.trace_store import TracePlan, plan_traces, route_edge
 from deploy.local.wire import open_wire, wire_listeners
 from shared.engine_cores import ENGINE_CORES_ENV, engine_cores, format_cores
 
@@ -78,22 +78,36 @@ def free_port() -> int:
         return port
 
 
+class FreshPorts:
+    """Ports for --ports auto, each free when picked and never handed out twice:
+    the kernel may give a just-closed probe's port out again, and every part of
+    one mesh's plan (stages, queue, trace store, TorchServe's edge) picks from
+    this one."""
+
+    def __init__(self) -> None:
+        self._given: set[int] = set()
+
+    def __call__(self) -> int:
+        while (port := free_port()) in self._given:
+            pass
+        self._given.add(port)
+        return port
+
+
 def plan(
-    mesh: dict[str, Any], repository: Path, auto_ports: bool, replicas: dict[str, int]
+    mesh: dict[str, Any],
+    repository: Path,
+    auto_ports: bool,
+    replicas: dict[str, int],
+    fresh_port: Callable[[], int] | None = None,
 ) -> tuple[list[ProcessSpec], ProcessSpec, list[ProcessSpec]]:
-    """The stage processes, the orchestrator, and the edge (adapter, Envoy), with ports."""
+    """The stage processes, the orchestrator, and the edge (adapter, Envoy), with ports
+    (with ``auto_ports``, from ``fresh_port``: a FreshPorts of this plan's own by default)."""
     services = mesh.get("services") or {}
     step = int((mesh.get("supervisor") or {}).get("replica_port_step", REPLICA_PORT_STEP))
     if step < 1:
         raise PortPlanError(f"supervisor.replica_port_step must be at least 1, not {step}")
-    taken: set[int] = set()
-
-    def fresh_port() -> int:
-        # The kernel may hand a just-closed probe's port out again: never twice here.
-        while (port := free_port()) in taken:
-            pass
-        taken.add(port)
-        return port
+    fresh_port = fresh_port or FreshPorts()
 
     def ports(service: str, index: int) -> tuple[int, int]:
         if auto_ports:
@@ -225,6 +239,38 @@ def read_mesh(config: Path, colocate: bool) -> dict[str, Any]:
     return colocated(mesh) if colocate else mesh
 
 
+@dataclass(frozen=True)
+class MeshPlan:
+    """Every process of one mesh with its ports, and every port it will listen on."""
+
+    stages: list[ProcessSpec]
+    """The stages and the queue's Redis."""
+    orchestrator: ProcessSpec
+    edge: list[ProcessSpec]
+    """The HTTP adapter, Envoy and the batch workers."""
+    jobs: JobsPlan
+    traces: TracePlan
+    listeners: list[Listener]
+
+
+def plan_mesh(
+    mesh: dict[str, Any], repository: Path, auto_ports: bool, replicas: dict[str, int]
+) -> MeshPlan:
+    """The whole mesh's plan; with ``auto_ports`` every port comes from one FreshPorts,
+    so no two of its listeners are handed the same one."""
+    fresh = FreshPorts()
+    stages, orchestrator, edge = plan(mesh, repository, auto_ports, replicas, fresh)
+    host = (mesh.get("defaults") or {}).get("host", "127.0.0.1")
+    jobs = plan_jobs(mesh, auto_ports, f"{host}:{orchestrator.grpc_port}", fresh)
+    stages, edge = [*stages, *jobs.redis], [*edge, *jobs.workers]
+    planned = listeners([*stages, orchestrator, *edge])
+    traces = plan_traces(mesh, auto_ports, host, [p.port for p in planned], fresh)
+    edge = route_edge(edge, traces)
+    edge, management = torchserve_edge(edge, mesh, repository, auto_ports, fresh)
+    every = [*planned, *traces.listeners, *management]
+    return MeshPlan(stages, orchestrator, edge, jobs, traces, every)
+
+
 async def supervise(args: argparse.Namespace) -> int:
     """Start the mesh, print where it listens, run until SIGTERM/SIGINT."""
     mesh = read_mesh(args.config, args.colocate)
@@ -232,22 +278,17 @@ async def supervise(args: argparse.Namespace) -> int:
     backoff = tuple(settings.get("restart_backoff_s", [0.5, 10.0]))
     replicas = dict(item.split("=", 1) for item in args.replicas)
     repository = args.model_repository.expanduser().resolve()
+    host = (mesh.get("defaults") or {}).get("host", "127.0.0.1")
     try:
-        stage_specs, orchestrator_spec, edge_specs = plan(
+        whole = plan_mesh(
             mesh, repository, args.ports == "auto", {k: int(v) for k, v in replicas.items()}
         )
-        host = (mesh.get("defaults") or {}).get("host", "127.0.0.1")
-        jobs = plan_jobs(mesh, args.ports == "auto", f"{host}:{orchestrator_spec.grpc_port}")
-        stage_specs, edge_specs = [*stage_specs, *jobs.redis], [*edge_specs, *jobs.workers]
-        planned = listeners([*stage_specs, orchestrator_spec, *edge_specs])
-        auto = args.ports == "auto"
-        traces = plan_traces(mesh, auto, host, [p.port for p in planned], free_port)
-        edge_specs = route_edge(edge_specs, traces)
-        edge_specs, management = torchserve_edge(edge_specs, mesh, repository, auto, free_port)
-        check_ports([*planned, *traces.listeners, *management], host)
+        check_ports(whole.listeners, host)
     except PortPlanError as exc:
         log(f"not starting the mesh: {exc}")
         return 2
+    stage_specs, orchestrator_spec, edge_specs = whole.stages, whole.orchestrator, whole.edge
+    jobs, traces = whole.jobs, whole.traces
     shutdown = Shutdown.listening()
     cores = engine_cores()
     # Ends the services should this process be killed without a chance to stop them.

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import copy
+import itertools
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from deploy.local import supervisor
 from deploy.local.colocation import colocated
 from deploy.local.port_plan import collisions
-from deploy.local.supervisor import DEFAULT_CONFIG, listeners, plan
+from deploy.local.supervisor import DEFAULT_CONFIG, listeners, plan, plan_mesh
 
 MESH = yaml.safe_load(DEFAULT_CONFIG.read_text())
 STAGES = ("inference", "tokenizer", "preprocess", "postprocess")
@@ -43,3 +47,21 @@ def test_colocate_runs_the_four_stages_as_one_process_on_its_own_ports() -> None
     assert "colocated=127.0.0.1:8011" in orchestrator.args
     assert collisions(listeners([*stages, orchestrator, *edge])) == []
     assert colocated(mesh) == mesh  # nothing left to put together
+
+
+def test_auto_ports_are_never_handed_out_twice_in_one_plan(monkeypatch: Any) -> None:
+    # The kernel may give a just-closed probe's port out again: here every port
+    # comes back twice in a row, and the stages, the queue's Redis, the trace
+    # store and TorchServe's management port must still all differ.
+    given = itertools.count(40000)
+    twice = itertools.chain.from_iterable((port, port) for port in given)
+    monkeypatch.setattr(supervisor, "free_port", lambda: next(twice))
+    mesh = copy.deepcopy(MESH)
+    mesh["supervisor"]["jobs"] = {"enabled": True}
+    mesh["supervisor"]["trace_store"] = True
+    mesh["services"].setdefault("envoy", {})["torchserve_management_port"] = 8090
+    whole = plan_mesh(mesh, Path("/models"), True, {})
+    roles = {(listener.process, listener.role) for listener in whole.listeners}
+    assert {("redis", "gRPC"), ("envoy", "TorchServe management")} <= roles
+    assert any(listener.process == "tracestore" for listener in whole.listeners)
+    assert collisions(whole.listeners) == []
