@@ -49,17 +49,16 @@ def plan_jobs(
     mesh: Mapping[str, Any],
     auto_ports: bool,
     orchestrator: str,
-    fresh_port: Callable[[], int] | None = None,
+    fresh_port: Callable[[], int],
 ) -> JobsPlan:
     """Redis and the workers, when ``supervisor.jobs.enabled`` says so (default: off);
     with ``auto_ports``, their ports from ``fresh_port`` (the plan's: never one of its
     other ports)."""
     services = mesh.get("services") or {}
-    pick = fresh_port or free_port
 
     def ports(service: str) -> tuple[int, int]:
         if auto_ports:
-            return pick(), pick()
+            return fresh_port(), fresh_port()
         settings = services.get(service) or {}
         return int(settings.get("grpc_port", 0)), int(settings.get("metrics_port", -1))
 

@@ -251,6 +251,7 @@ class MeshPlan:
     jobs: JobsPlan
     traces: TracePlan
     listeners: list[Listener]
+    host: str
 
 
 def plan_mesh(
@@ -264,11 +265,11 @@ def plan_mesh(
     jobs = plan_jobs(mesh, auto_ports, f"{host}:{orchestrator.grpc_port}", fresh)
     stages, edge = [*stages, *jobs.redis], [*edge, *jobs.workers]
     planned = listeners([*stages, orchestrator, *edge])
-    traces = plan_traces(mesh, auto_ports, host, [p.port for p in planned], fresh)
+    traces = plan_traces(mesh, auto_ports, host, fresh)
     edge = route_edge(edge, traces)
     edge, management = torchserve_edge(edge, mesh, repository, auto_ports, fresh)
     every = [*planned, *traces.listeners, *management]
-    return MeshPlan(stages, orchestrator, edge, jobs, traces, every)
+    return MeshPlan(stages, orchestrator, edge, jobs, traces, every, host)
 
 
 async def supervise(args: argparse.Namespace) -> int:
@@ -278,17 +279,16 @@ async def supervise(args: argparse.Namespace) -> int:
     backoff = tuple(settings.get("restart_backoff_s", [0.5, 10.0]))
     replicas = dict(item.split("=", 1) for item in args.replicas)
     repository = args.model_repository.expanduser().resolve()
-    host = (mesh.get("defaults") or {}).get("host", "127.0.0.1")
     try:
         whole = plan_mesh(
             mesh, repository, args.ports == "auto", {k: int(v) for k, v in replicas.items()}
         )
-        check_ports(whole.listeners, host)
+        check_ports(whole.listeners, whole.host)
     except PortPlanError as exc:
         log(f"not starting the mesh: {exc}")
         return 2
     stage_specs, orchestrator_spec, edge_specs = whole.stages, whole.orchestrator, whole.edge
-    jobs, traces = whole.jobs, whole.traces
+    jobs, traces, host = whole.jobs, whole.traces, whole.host
     shutdown = Shutdown.listening()
     cores = engine_cores()
     # Ends the services should this process be killed without a chance to stop them.

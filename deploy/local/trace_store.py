@@ -41,27 +41,21 @@ def plan_traces(
     mesh: Mapping[str, Any],
     auto_ports: bool,
     host: str,
-    taken: Sequence[int],
-    free_port: Callable[[], int],
+    fresh_port: Callable[[], int],
     env: Mapping[str, str] | None = None,
 ) -> TracePlan:
-    """The trace store's part of the mesh (an empty plan where it does not run)."""
+    """The trace store's part of the mesh (an empty plan where it does not run); with
+    ``auto_ports``, its ports from ``fresh_port`` (the plan's: never one of its others)."""
     env = os.environ if env is None else env
     defaults = mesh.get("defaults") or {}
     wanted = (mesh.get("supervisor") or {}).get("trace_store", True)
     if not wanted or defaults.get("otlp_endpoint") or env.get(OTLP_ENV):
         return TracePlan()
     settings = (mesh.get("services") or {}).get("tracestore") or {}
-    used = set(taken)
-    ports: dict[str, int] = {}
-    for name, default in DEFAULT_PORTS.items():
-        if auto_ports:
-            while (port := free_port()) in used:
-                pass
-        else:
-            port = int(settings.get(name, default))
-        used.add(port)
-        ports[name] = port
+    ports = {
+        name: fresh_port() if auto_ports else int(settings.get(name, default))
+        for name, default in DEFAULT_PORTS.items()
+    }
     spec = ProcessSpec(
         "tracestore",
         "tracestore",
