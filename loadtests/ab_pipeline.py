@@ -31,18 +31,17 @@ import grpc
 import numpy as np
 from bench_pipeline import (
     FLOORS,
-    SENTENCE,
     Pipeline,
     Settings,
     infer_payload,
     load_once,
     parse_args,
+    pipeline_input,
     pipeline_mesh,
 )
 from common import ROOT, LoadResult, MeshInfo, install_sigterm_exit, load_average
 
 from inference import grpc_service_pb2_grpc as pb_grpc
-from models.sources import sample_image
 
 
 @dataclass(frozen=True)
@@ -122,9 +121,7 @@ def shown(parts: dict[str, float]) -> str:
 
 
 async def compare(settings: Settings, pipe: Pipeline, sides: list[Side]) -> int:
-    data = (
-        SENTENCE if pipe.ensemble == "text_embedding" else sample_image(settings.image).read_bytes()
-    )
+    data = pipeline_input(pipe, settings)
     payload = infer_payload(pipe, data)
     in_flight = settings.in_flight[0]
     with contextlib.ExitStack() as stack:

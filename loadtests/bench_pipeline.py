@@ -720,6 +720,13 @@ def pipeline_mesh(
             stop_mesh(proc, started)
 
 
+def pipeline_input(pipe: Pipeline, settings: Settings) -> bytes:
+    """What each request carries: the sample photo (image_classifier) or SENTENCE."""
+    if pipe.ensemble == "image_classifier":
+        return sample_image(settings.image).read_bytes()
+    return SENTENCE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Floor, mesh, load, report; returns the exit status."""
     install_sigterm_exit()
@@ -731,12 +738,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         print(f"{settings.repository} lacks {missing}: run `python -m models.prepare`")
         return 2
-    if pipe.ensemble == "image_classifier":
-        data = sample_image(settings.image).read_bytes()
-        print(f"{settings.image}: {len(data)} bytes; load average at start {load_average()}")
-    else:
-        data = SENTENCE
-        print(f"{data.decode()!r}; load average at start {load_average()}")
+    data = pipeline_input(pipe, settings)
+    what = repr(data.decode()) if data is SENTENCE else f"{settings.image}: {len(data)} bytes"
+    print(f"{what}; load average at start {load_average()}")
     print(
         f"floor: first-step threads {settings.threads}; "
         f"{floor.describe(answer(floor, [floor.first(data)]))}",
