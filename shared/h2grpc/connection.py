@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -83,6 +84,13 @@ class ServerConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
+        # Nagle's algorithm would hold a small answer while an earlier write is
+        # unacknowledged, and a peer delaying its ACK (40 ms on Linux) stalls it that
+        # long. asyncio turns it off only on sockets whose protocol number it knows,
+        # and a listening socket bound by hand (server.py) accepts with none.
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         address = transport.get_extra_info("peername")
         if isinstance(address, tuple):
             family = "ipv6" if ":" in str(address[0]) else "ipv4"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from shared.hpack import HeaderDecoder, request_headers
 
 SERVICE = "test.Echo"
 LIMIT = 4 * 1024 * 1024
+PACE_S = 0.005
 
 
 class Handlers:
@@ -67,6 +69,12 @@ class Handlers:
         for index in range(3):
             await context.write(request + b"%d" % index)
 
+    async def paced(self, request: bytes, context: Any) -> None:
+        for index in range(int(request)):
+            if index:
+                await asyncio.sleep(PACE_S)
+            await context.write(b"m%d" % index)
+
     async def double(self, request: bytes, context: Any) -> bytes:
         return request * 2
 
@@ -88,6 +96,7 @@ class Handlers:
                 "Double": unary(self.double),
                 "Count": server_stream(self.count),
                 "Written": server_stream(self.written),
+                "Paced": server_stream(self.paced),
                 "Join": grpc.stream_unary_rpc_method_handler(self.join),
                 "Reverse": grpc.stream_stream_rpc_method_handler(self.reverse),
             },
@@ -337,3 +346,45 @@ async def test_messages_cut_anywhere_across_frames_and_reads_arrive_whole(served
         answer, trailers = await _raw_call(served.port, f"/{SERVICE}/Join", data, piece)
         assert trailers.get(b"grpc-status") == b"0", trailers
         assert answer == _message(b"".join(parts))
+
+
+@serving
+async def test_small_answers_leave_at_once_while_the_client_delays_its_acks(served: Served) -> None:
+    """Nagle's algorithm holds a small write while an earlier one is unacknowledged,
+    and a peer that delays its ACKs (Linux: 40 ms) then stalls the answer. A client
+    in delayed-ACK mode asks for six small messages written 5 ms apart: the first
+    must arrive within a few ms of the request, and each within a few ms of the
+    one before."""
+    arrivals = await asyncio.to_thread(_paced_arrivals, served.port, 6)
+    gaps_ms = [round(1e3 * (b - a), 1) for a, b in itertools.pairwise(arrivals)]
+    assert len(arrivals) == 7
+    assert max(gaps_ms) < 30, gaps_ms  # 5 ms apart as written; 40+ when held for an ACK
+
+
+def _paced_arrivals(port: int, count: int) -> list[float]:
+    """When the request left and each of ``count`` Paced messages arrived, read by a
+    blocking client that turns quick ACKs off before every read (Linux turns them
+    back on by itself)."""
+    head = frames.frame(
+        frames.HEADERS, frames.END_HEADERS, 1, request_headers(f"/{SERVICE}/Paced", "x")
+    )
+    body = frames.frame(frames.DATA, frames.END_STREAM, 1, _message(b"%d" % count))
+    arrivals: list[float] = []
+    buffer = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(frames.PREFACE + frames.frame(frames.SETTINGS, 0, 0, b"") + head + body)
+        arrivals.append(time.perf_counter())
+        while True:
+            while len(buffer) < frames.HEAD_BYTES or len(
+                buffer
+            ) < frames.HEAD_BYTES + int.from_bytes(buffer[:3], "big"):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 0)
+                chunk = sock.recv(65536)
+                assert chunk, "the server closed the connection"
+                buffer += chunk
+            length, kind, flags = int.from_bytes(buffer[:3], "big"), buffer[3], buffer[4]
+            buffer = buffer[frames.HEAD_BYTES + length :]
+            if kind == frames.DATA and length:
+                arrivals.append(time.perf_counter())
+            if kind == frames.HEADERS and flags & frames.END_STREAM:
+                return arrivals
