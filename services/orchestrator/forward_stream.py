@@ -21,9 +21,10 @@ stream as work in flight, and it refuses the stream that replaces it.
 To a meshserve stage the stream is ``ForwardingService/Forward`` (``packed``),
 one per replica: requests are written by one writer task, each message
 carrying every request that waits when it is written, and the stage answers
-the same way (shared/forwarding.py). A request on an idle or lightly used
-stream is written at once; on a busy one (``BUSY_IN_FLIGHT`` requests awaiting
-answers) it waits ``PACK_WAIT_S`` for company first. To a server without
+the same way (shared/forwarding.py). A request never waits for company: under
+load the requests that arrive while a message is written share the next one,
+and a wait would only hold the stage idle (the path then forms convoys that
+the orchestrator, the stage and the client serve in turn). To a server without
 ForwardingService, a ModelStreamInfer per channel carries one request per message.
 """
 
@@ -60,10 +61,6 @@ says so at once; a server that sends its headers only with its first answer
 would never say it, and is then spoken to with ModelInfer)."""
 STREAM_SECONDS = 1.0
 """How long a stream takes new requests before a new one replaces it."""
-PACK_WAIT_S = 0.001
-"""How long a request waits for others to share its message on a busy stream."""
-BUSY_IN_FLIGHT = 4
-"""Requests written and not yet answered from which a stream counts as busy."""
 
 
 class NotForwarding(Exception):
@@ -151,11 +148,6 @@ class ForwardStream:
         all of them as one message on a packed stream. A failed write fails the
         requests it carried."""
         while self._waiting:
-            if self.packed and len(self._pending) - len(self._waiting) >= BUSY_IN_FLIGHT:
-                # Under load requests reach the orchestrator one at a time, each
-                # written before the next comes: a short wait lets a few share a
-                # message (each message costs both sides what a small request does).
-                await asyncio.sleep(PACK_WAIT_S)
             taken = len(self._waiting) if self.packed else 1
             batch, self._waiting = self._waiting[:taken], self._waiting[taken:]
             try:

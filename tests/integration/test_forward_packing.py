@@ -20,7 +20,6 @@ from opentelemetry import trace
 
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
-from services.orchestrator import forward_stream
 from services.orchestrator.forward_stream import ForwardStream
 from services.orchestrator.router import StageAddress, StageRouter
 from shared import forwarding
@@ -208,16 +207,17 @@ def test_a_server_without_packs_is_still_served(server: type) -> None:
     asyncio.run(scenario())
 
 
-def test_on_a_busy_stream_a_request_waits_for_company(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With BUSY_IN_FLIGHT requests awaiting answers, a new request waits
-    PACK_WAIT_S before it is written, and the requests that come meanwhile share
-    its message."""
-    monkeypatch.setattr(forward_stream, "PACK_WAIT_S", 0.2)
+def test_on_a_busy_stream_a_request_is_written_without_waiting_for_company(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With requests held at the stage, a new one is written at once in a message
+    of its own and answered while they are still held: nothing waits for others
+    to share its message (a wait would hold the stage idle)."""
+    held = 4
     sizes = _pack_sizes(monkeypatch)
-    held = forward_stream.BUSY_IN_FLIGHT
 
     async def scenario() -> None:
-        release, all_held = asyncio.Event(), asyncio.Event()
+        release, all_held, seen = asyncio.Event(), asyncio.Event(), asyncio.Event()
         arrived: list[str] = []
 
         class Holding(OlderStage):
@@ -227,6 +227,7 @@ def test_on_a_busy_stream_a_request_waits_for_company(monkeypatch: pytest.Monkey
                     if arrived.count("hold") == held:
                         all_held.set()
                     await release.wait()
+                seen.set()
                 return pb.ModelInferResponse(model_name=request.model_name, id=request.id)
 
         server = grpc.aio.server()
@@ -245,19 +246,15 @@ def test_on_a_busy_stream_a_request_waits_for_company(monkeypatch: pytest.Monkey
                 holding = [infer("hold", f"h{i}") for i in range(held)]
                 await asyncio.wait_for(all_held.wait(), 5)
                 first = infer("m", "first")
-                await asyncio.sleep(0.05)  # within the wait: these join its message
-                others = [infer("m", f"o{i}") for i in range(2)]
-                answers = await asyncio.wait_for(asyncio.gather(first, *others), 5)
-                assert [pb.ModelInferResponse.FromString(a).id for a in answers] == [
-                    "first",
-                    "o0",
-                    "o1",
-                ]
+                await asyncio.wait_for(seen.wait(), 5)  # no other request is coming
+                answer = await asyncio.wait_for(first, 5)
+                assert pb.ModelInferResponse.FromString(answer).id == "first"
+                assert not any(task.done() for task in holding)
                 release.set()
                 await asyncio.wait_for(asyncio.gather(*holding), 5)
                 stream.cancel()
         finally:
             await server.stop(0)
-        assert sizes == [held, 3]
+        assert sizes == [held, 1]
 
     asyncio.run(scenario())
