@@ -358,7 +358,7 @@ async def test_small_answers_leave_at_once_while_the_client_delays_its_acks(serv
     arrivals = await asyncio.to_thread(_paced_arrivals, served.port, 6)
     gaps_ms = [round(1e3 * (b - a), 1) for a, b in itertools.pairwise(arrivals)]
     assert len(arrivals) == 7
-    assert max(gaps_ms) < 30, gaps_ms  # 5 ms apart as written; 40+ when held for an ACK
+    assert max(gaps_ms) < 35, gaps_ms  # 5 ms apart as written; 40+ when held for an ACK
 
 
 def _paced_arrivals(port: int, count: int) -> list[float]:
@@ -375,9 +375,7 @@ def _paced_arrivals(port: int, count: int) -> list[float]:
         sock.sendall(frames.PREFACE + frames.frame(frames.SETTINGS, 0, 0, b"") + head + body)
         arrivals.append(time.perf_counter())
         while True:
-            while len(buffer) < frames.HEAD_BYTES or len(
-                buffer
-            ) < frames.HEAD_BYTES + int.from_bytes(buffer[:3], "big"):
+            while not _holds_a_frame(buffer):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 0)
                 chunk = sock.recv(65536)
                 assert chunk, "the server closed the connection"
@@ -388,3 +386,9 @@ def _paced_arrivals(port: int, count: int) -> list[float]:
                 arrivals.append(time.perf_counter())
             if kind == frames.HEADERS and flags & frames.END_STREAM:
                 return arrivals
+
+
+def _holds_a_frame(buffer: bytes) -> bool:
+    """True when ``buffer`` starts with a whole HTTP/2 frame."""
+    head = frames.HEAD_BYTES
+    return len(buffer) >= head and len(buffer) >= head + int.from_bytes(buffer[:3], "big")
