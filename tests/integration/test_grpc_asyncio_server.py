@@ -310,8 +310,7 @@ async def _raw_call(
         await writer.drain()
     answer, trailers, decoder = bytearray(), None, HeaderDecoder()
     while trailers is None:
-        top = await reader.readexactly(frames.HEAD_BYTES)
-        length, kind, flags = int.from_bytes(top[:3], "big"), top[3], top[4]
+        length, kind, flags = _head(await reader.readexactly(frames.HEAD_BYTES))
         payload = await reader.readexactly(length)
         if kind == frames.DATA:
             answer += payload
@@ -380,7 +379,7 @@ def _paced_arrivals(port: int, count: int) -> list[float]:
                 chunk = sock.recv(65536)
                 assert chunk, "the server closed the connection"
                 buffer += chunk
-            length, kind, flags = int.from_bytes(buffer[:3], "big"), buffer[3], buffer[4]
+            length, kind, flags = _head(buffer)
             buffer = buffer[frames.HEAD_BYTES + length :]
             if kind == frames.DATA and length:
                 arrivals.append(time.perf_counter())
@@ -388,7 +387,13 @@ def _paced_arrivals(port: int, count: int) -> list[float]:
                 return arrivals
 
 
+def _head(data: bytes) -> tuple[int, int, int]:
+    """A frame head's payload length, type and flags (``data`` starts with the head)."""
+    return int.from_bytes(data[:3], "big"), data[3], data[4]
+
+
 def _holds_a_frame(buffer: bytes) -> bool:
     """True when ``buffer`` starts with a whole HTTP/2 frame."""
-    head = frames.HEAD_BYTES
-    return len(buffer) >= head and len(buffer) >= head + int.from_bytes(buffer[:3], "big")
+    if len(buffer) < frames.HEAD_BYTES:
+        return False
+    return len(buffer) >= frames.HEAD_BYTES + _head(buffer)[0]
