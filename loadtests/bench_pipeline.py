@@ -739,7 +739,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{settings.repository} lacks {missing}: run `python -m models.prepare`")
         return 2
     data = pipeline_input(pipe, settings)
-    what = repr(data.decode()) if data is SENTENCE else f"{settings.image}: {len(data)} bytes"
+    image = pipe.ensemble == "image_classifier"
+    what = f"{settings.image}: {len(data)} bytes" if image else repr(data.decode())
     print(f"{what}; load average at start {load_average()}")
     print(
         f"floor: first-step threads {settings.threads}; "
