@@ -52,21 +52,69 @@ HUFFMAN_CODES = _huffman_codes()
 """(bit length, code) -> symbol (256: EOS)."""
 
 
+def _code_tree() -> list[list[int]]:
+    """The Huffman code as a tree: node -> [child on 0, child on 1]; node 0 is the root,
+    a leaf is ``~symbol`` (negative)."""
+    children = [[0, 0]]  # 0 as a child: not yet made (the root is nobody's child)
+    for (length, code), symbol in HUFFMAN_CODES.items():
+        node = 0
+        for shift in range(length - 1, 0, -1):
+            bit = (code >> shift) & 1
+            if not children[node][bit]:
+                children.append([0, 0])
+                children[node][bit] = len(children) - 1
+            node = children[node][bit]
+        children[node][code & 1] = ~symbol
+    return children
+
+
+def _nibble_table(children: list[list[int]]) -> list[tuple[int, int]]:
+    """(node << 4 | four bits) -> (the node after them, the symbol they end or -1). No
+    code is shorter than 5 bits, so four bits end at most one."""
+    table = []
+    for start in range(len(children)):
+        for nibble in range(16):
+            node, symbol = start, -1
+            for shift in (3, 2, 1, 0):
+                child = children[node][(nibble >> shift) & 1]
+                node, symbol = (0, ~child) if child < 0 else (child, symbol)
+            table.append((node, symbol))
+    return table
+
+
+def _padding_nodes(children: list[list[int]]) -> frozenset[int]:
+    """Where a string may end: at most 7 bits of EOS's prefix (all ones) past a code."""
+    nodes, node = [0], 0
+    for _ in range(7):
+        node = children[node][1]
+        nodes.append(node)
+    return frozenset(nodes)
+
+
+_TREE = _code_tree()
+_NIBBLES = _nibble_table(_TREE)
+_PADDING = _padding_nodes(_TREE)
+
+
 def huffman_decode(data: bytes) -> bytes:
-    """A Huffman-coded string literal (RFC 7541 5.2)."""
-    out, code, bits = bytearray(), 0, 0
+    """A Huffman-coded string literal (RFC 7541 5.2), four bits a step."""
+    table, out, node = _NIBBLES, bytearray(), 0
     for byte in data:
-        for shift in range(7, -1, -1):
-            code, bits = (code << 1) | ((byte >> shift) & 1), bits + 1
-            symbol = HUFFMAN_CODES.get((bits, code)) if bits >= 5 else None
-            if symbol is not None:
-                if symbol == 256:
-                    raise ValueError("EOS inside a Huffman-coded string")
-                out.append(symbol)
-                code, bits = 0, 0
-    if bits > 7 or code != (1 << bits) - 1:
+        node, symbol = table[node << 4 | byte >> 4]
+        if symbol >= 0:
+            out.append(_symbol(symbol))
+        node, symbol = table[node << 4 | byte & 15]
+        if symbol >= 0:
+            out.append(_symbol(symbol))
+    if node not in _PADDING:
         raise ValueError("bad padding after a Huffman-coded string")
     return bytes(out)
+
+
+def _symbol(symbol: int) -> int:
+    if symbol == 256:
+        raise ValueError("EOS inside a Huffman-coded string")
+    return symbol
 
 
 def _integer(block: bytes, pos: int, prefix: int) -> tuple[int, int]:

@@ -3,7 +3,38 @@ header blocks with Huffman-coded strings, and the dynamic table kept across bloc
 
 from __future__ import annotations
 
-from shared.hpack import HeaderDecoder, huffman_decode
+import random
+
+import pytest
+
+from shared.hpack import HUFFMAN_CODES, HeaderDecoder, huffman_decode
+
+CODES = {symbol: (length, code) for (length, code), symbol in HUFFMAN_CODES.items()}
+
+
+def huffman_encode(text: bytes, padding: str = "") -> bytes:
+    """The RFC's encoding, bit by bit; ``padding``: the bits after the last code (by
+    default EOS's prefix up to the next byte)."""
+    bits = "".join(format(CODES[b][1], f"0{CODES[b][0]}b") for b in text)
+    bits += padding or "1" * (-len(bits) % 8)
+    assert len(bits) % 8 == 0
+    return int(bits, 2).to_bytes(len(bits) // 8, "big") if bits else b""
+
+
+def decode_bit_by_bit(data: bytes) -> bytes:
+    """The RFC's decoding, a bit at a time, to hold the table-driven one to."""
+    out, code, bits = bytearray(), 0, 0
+    for bit in "".join(format(byte, "08b") for byte in data):
+        code, bits = code << 1 | int(bit), bits + 1
+        symbol = HUFFMAN_CODES.get((bits, code))
+        if symbol == 256:
+            raise ValueError("EOS")
+        if symbol is not None:
+            out.append(symbol)
+            code, bits = 0, 0
+    if bits > 7 or code != (1 << bits) - 1:
+        raise ValueError("padding")
+    return bytes(out)
 
 
 def test_requests_with_huffman_strings_and_the_dynamic_table() -> None:
@@ -37,3 +68,41 @@ def test_a_response_block_and_a_huffman_string() -> None:
         b"location": b"https://www.example.com",
     }
     assert huffman_decode(bytes.fromhex("f1e3c2e5f23a6ba0ab90f4ff")) == b"www.example.com"
+
+
+def test_every_byte_value_round_trips_through_the_huffman_code() -> None:
+    rng = random.Random(7)
+    texts = [bytes(range(256)), b"", b"Thu, 03 Dec 2026 15:36:39 GMT"]
+    texts += [rng.randbytes(rng.randrange(1, 40)) for _ in range(500)]
+    for text in texts:
+        assert huffman_decode(huffman_encode(text)) == text
+
+
+def test_arbitrary_bytes_decode_as_the_bit_by_bit_reading_does() -> None:
+    rng = random.Random(11)
+    for _ in range(3000):
+        data = rng.randbytes(rng.randrange(0, 12))
+        try:
+            expected: bytes | type[ValueError] = decode_bit_by_bit(data)
+        except ValueError:
+            expected = ValueError
+        if expected is ValueError:
+            with pytest.raises(ValueError):
+                huffman_decode(data)
+        else:
+            assert huffman_decode(data) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "after", "reason"),
+    [
+        (b"ab", "1" * 30 + "1" * 7, "EOS inside"),  # 11 bits, EOS, then 7 of padding
+        (b"a", "1" * 11, "bad padding"),  # 5 bits, then more than 7 of padding
+        (b"a", "110", "bad padding"),  # padding that is not EOS's prefix
+    ],
+)
+def test_a_string_that_breaks_the_huffman_rules_is_refused(
+    text: bytes, after: str, reason: str
+) -> None:
+    with pytest.raises(ValueError, match=reason):
+        huffman_decode(huffman_encode(text, after))
