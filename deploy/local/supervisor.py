@@ -157,7 +157,8 @@ def plan(
         else []
     )
     # The orchestrator reads its wire_port from the YAML too: the flag always wins.
-    wire = int((services.get("orchestrator") or {}).get("wire_port", 0)) if edge else -1
+    # Unset, the door stays shut: Envoy's HTTP/2 to the gRPC port costs less.
+    wire = int((services.get("orchestrator") or {}).get("wire_port", -1)) if edge else -1
     wire = fresh_port() if wire == 0 or (wire > 0 and auto_ports) else wire
     orchestrator, edge = open_wire(orchestrator, edge, host, wire)
     orchestrator, edge = place_front_door(mesh, orchestrator, edge)

@@ -1,9 +1,10 @@
 """The orchestrator's wire door in the local mesh (shared/wire_door.py).
 
-With an edge, the orchestrator also serves unary ModelInfer over HTTP/1.1 on
-``services.orchestrator.wire_port`` (mesh.yaml sets one; unset or 0: a free
-port) and Envoy sends every gRPC ModelInfer there through its reverse bridge
-(gateway/envoy/wire.py); -1 keeps that call on the gRPC port.
+With an edge and ``services.orchestrator.wire_port`` set (0: a free port), the
+orchestrator also serves unary ModelInfer over HTTP/1.1 there and Envoy sends
+every gRPC ModelInfer through its reverse bridge (gateway/envoy/wire.py).
+Unset or -1, the call stays on the gRPC port, which costs the path less
+(docs/envoy.md).
 """
 
 from __future__ import annotations

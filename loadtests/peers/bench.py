@@ -33,7 +33,8 @@ same server.
 mesh-door`` the mesh with the HTTP front door inside the orchestrator
 (``supervisor.http_front_door: orchestrator``, the default: pinned, for a
 baseline tree), ``--only mesh-adapter`` the mesh with the HTTP adapter process
-(``http_front_door: process``), ``--only baseline --baseline DIR`` the mesh of
+(``http_front_door: process``), ``--only mesh-wire`` the mesh with Envoy's ModelInfer
+on the orchestrator's wire door, ``--only baseline --baseline DIR`` the mesh of
 another source tree (an older commit's ``git archive``), each with the mesh's
 ways, side by side.
 """
@@ -73,12 +74,14 @@ from deploy.local.procfs import TICKS, descendants, tasks
 SERVERS = (
     *("mesh", "kserve", "torchserve", "fastapi"),
     *("mesh-log", "baseline", "mesh-door", "mesh-adapter", "mesh-grpc", "mesh-grpcio"),
+    "mesh-wire",
 )
 """mesh-log: the mesh with Envoy's access log on; baseline: the mesh of --baseline's tree;
 mesh-door / mesh-adapter: the mesh with REST served by the orchestrator itself / by the
-HTTP adapter process (http_front_door); mesh-grpc: Envoy sends ModelInfer to the
-orchestrator's gRPC port, not its wire door; mesh-grpcio: every gRPC port served by
-grpc.aio's server instead of the one on asyncio (shared/h2grpc/)."""
+HTTP adapter process (http_front_door); mesh-grpc / mesh-wire: Envoy sends ModelInfer
+to the orchestrator's gRPC port (the default: pinned, for a baseline tree) / to its wire
+door over HTTP/1.1; mesh-grpcio: every gRPC port served by grpc.aio's server instead of
+the one on asyncio (shared/h2grpc/)."""
 MESH_LIKE = {
     "mesh-log": "mesh+log: ",
     "baseline": "baseline: ",
@@ -86,6 +89,7 @@ MESH_LIKE = {
     "mesh-adapter": "adapter: ",
     "mesh-grpc": "no wire: ",
     "mesh-grpcio": "grpcio: ",
+    "mesh-wire": "wire door: ",
 }
 VARIANTS: dict[str, dict[str, dict[str, object]]] = {
     "mesh-log": {"envoy": {"access_log": True}},
@@ -93,6 +97,7 @@ VARIANTS: dict[str, dict[str, dict[str, object]]] = {
     "mesh-adapter": {"supervisor": {"http_front_door": "process"}},
     "mesh-grpc": {"orchestrator": {"wire_port": -1}},
     "mesh-grpcio": {"defaults": {"grpc_server": "grpcio"}},
+    "mesh-wire": {"orchestrator": {"wire_port": 0}},
 }
 """Each mesh variant's changes to the mesh YAML (a service's settings, or the supervisor's)."""
 CACHE = Path("~/.cache/meshserve").expanduser()

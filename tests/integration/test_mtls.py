@@ -35,7 +35,8 @@ MESH = """
 defaults:
   host: 127.0.0.1
   grace_period_s: 2
-{tls}services: {{}}
+{tls}services:
+  orchestrator: {{ wire_port: 0 }}
 supervisor:
   stages:
     - {{ name: inference, module: services.inference.main, replicas: 1 }}

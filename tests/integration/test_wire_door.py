@@ -204,6 +204,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Iterat
     shutil.copytree(ROOT / "tests" / "data" / "python_examples" / "add_sub", folder / "add_sub")
     document = yaml.safe_load(EDGE_MESH)
     document["defaults"]["otlp_endpoint"] = otlp.endpoint
+    document["services"]["orchestrator"] = {"wire_port": 0}  # the door is opt-in
     config = folder / "mesh.yaml"
     config.write_text(yaml.safe_dump(document))
     proc, info = start_mesh(folder, config, ["--grace-s", "1"])
