@@ -65,3 +65,22 @@ def test_auto_ports_are_never_handed_out_twice_in_one_plan(monkeypatch: Any) -> 
     assert {("redis", "gRPC"), ("envoy", "TorchServe management")} <= roles
     assert any(listener.process == "tracestore" for listener in whole.listeners)
     assert collisions(whole.listeners) == []
+
+
+def _wire(specs: list[Any]) -> list[tuple[str, str]]:
+    """(process, the wire-door argument it was given) for every process given one."""
+    flags = ("--wire-port", "--orchestrator-wire")
+    return [(s.name, s.args[s.args.index(f) + 1]) for s in specs for f in flags if f in s.args]
+
+
+def test_envoy_sends_modelinfer_to_the_grpc_port_unless_a_wire_port_is_set() -> None:
+    _, orchestrator, edge = plan(MESH, Path("/models"), False, {})
+    assert _wire([orchestrator, *edge]) == [("orchestrator", "-1")]  # the door shut
+    mesh = copy.deepcopy(MESH)
+    mesh["services"]["orchestrator"]["wire_port"] = 8010
+    _, orchestrator, edge = plan(mesh, Path("/models"), False, {})
+    assert _wire([orchestrator, *edge]) == [
+        ("orchestrator", "8010"),
+        ("envoy", "127.0.0.1:8010"),
+    ]
+    assert ("wire", 8010) in {(port.role, port.port) for port in listeners([orchestrator])}
