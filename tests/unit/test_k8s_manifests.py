@@ -269,10 +269,7 @@ def test_ports_probes_and_services_agree_with_config(
             s for s in services.values() if s["spec"].get("selector") == pod_labels(deployment)
         ]
         for port in service["spec"]["ports"]:
-            # The orchestrator's wire door (Envoy's ModelInfer) is its second port.
-            wire = port["targetPort"] == "wire"
-            expected = config.wire_port if wire else serving
-            assert port_number(container, port["targetPort"]) == expected, service["metadata"]
+            assert port_number(container, port["targetPort"]) == serving, service["metadata"]
         if name in STAGES:
             assert service["spec"]["clusterIP"] == "None", f"{name}: headless"
             assert config.model_repository is not None
@@ -328,8 +325,9 @@ def test_addresses_name_services_that_exist(rendered: list[dict[str, Any]], tmp_
     edge = configs["envoy"]
     assert isinstance(edge, EdgeConfig)
     assert target(edge.orchestrator) == "orchestrator"
-    assert target(str(edge.orchestrator_wire)) == "orchestrator"
-    assert str(edge.orchestrator_wire).endswith(f":{orchestrator.wire_port}")
+    # ModelInfer goes to the gRPC port over HTTP/2, as in the local mesh: no wire door.
+    assert edge.orchestrator_wire is None
+    assert orchestrator.wire_port == -1
     assert target(edge.http_adapter) == "http-adapter"
 
 
