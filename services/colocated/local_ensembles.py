@@ -9,20 +9,19 @@ stage that serves an ensemble whole): one hop for the request instead of one
 per step. The graph and its checks are the orchestrator's (ensemble.py); each
 step goes to its model's ``ModelVersion`` (validation, batcher, statistics) as
 any caller's request does; requests that arrive together go through the
-steps as one batch (ensemble_batches.py). An ensemble that this stage does not
-claim is run by the orchestrator, step by step, as before.
+steps as one batch (services/orchestrator/ensemble_batches.py). An ensemble
+that this stage does not claim is run by the orchestrator, as before.
 
 No gRPC here.
 """
 
 from __future__ import annotations
 
-import numpy as np
 from opentelemetry import trace
 
 from inference import model_config_pb2 as mc
-from services.colocated.ensemble_batches import EnsembleBatches, ensemble_policy
 from services.orchestrator.ensemble import EnsemblePlan, ModelIO, Step, WireTensor
+from services.orchestrator.ensemble_batches import EnsembleBatches, ensemble_policy
 from shared.backend import BackendInstance, InstanceSpec, LoopModel, ModelSpec, is_decoupled
 from shared.errors import ConfigError, FailedPrecondition, MeshError, Unavailable
 from shared.manager import ModelManager
@@ -30,7 +29,6 @@ from shared.repository import is_ensemble
 from shared.request import InferRequest, InferResponse
 from shared.server import Hook
 from shared.stage import StageContext
-from shared.tensors import datatype_of, decode_raw, encode_raw
 
 
 class LocalEnsembleBackend:
@@ -126,7 +124,7 @@ class LocalEnsemble:
         async def call(
             step: Step, inputs: dict[str, WireTensor], outputs: list[str]
         ) -> dict[str, WireTensor]:
-            arrays = {name: _array(name, tensor) for name, tensor in inputs.items()}
+            arrays = {name: tensor.array(name) for name, tensor in inputs.items()}
             sub = InferRequest(
                 step.model,
                 step.version,
@@ -138,28 +136,14 @@ class LocalEnsemble:
                 gathered=gathered,
             )
             answer = await self._manager.get(step.model, step.version).infer(sub)
-            return {name: _wire(array) for name, array in answer.outputs.items()}
+            return {name: WireTensor.of(array) for name, array in answer.outputs.items()}
 
-        inputs = {name: _wire(array) for name, array in request.inputs.items()}
+        inputs = {name: WireTensor.of(array) for name, array in request.inputs.items()}
         produced = await self.plan.run(inputs, call, self._tracer)
         wanted = request.requested_outputs or list(produced)
-        return InferResponse(outputs={name: _array(name, produced[name]) for name in wanted})
+        return InferResponse(outputs={name: produced[name].array(name) for name in wanted})
 
     async def close(self) -> None:
         """Finish the batches queued; the steps' models are the stage's to release."""
         if self.batches is not None:
             await self.batches.stop()
-
-
-def _wire(array: np.ndarray) -> WireTensor:
-    """An array as the graph carries it; numbers as a view of the array, not a copy."""
-    datatype = datatype_of(array)
-    if datatype == "BYTES" or array.dtype.byteorder == ">":
-        raw: bytes | memoryview = encode_raw(array)
-    else:
-        raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
-    return WireTensor(datatype, tuple(array.shape), raw)
-
-
-def _array(name: str, tensor: WireTensor) -> np.ndarray:
-    return decode_raw(name, tensor.datatype, tensor.shape, tensor.raw)

@@ -17,11 +17,12 @@ import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from opentelemetry import trace
 
 from inference import model_config_pb2 as mc
 from shared.errors import ConfigError, InvalidArgument, MeshError, error_for_status
-from shared.tensors import config_datatype, decode_raw
+from shared.tensors import config_datatype, datatype_of, decode_raw, encode_raw
 from shared.tracing import iterate_in_context
 
 
@@ -33,6 +34,21 @@ class WireTensor:
     shape: tuple[int, ...]
     raw: bytes | memoryview
     """The bytes, or a view into the stage answer that brought them (step_wire.py)."""
+
+    @classmethod
+    def of(cls, array: np.ndarray) -> WireTensor:
+        """An array as the graph carries it; numbers as a view of the array, not a copy."""
+        datatype = datatype_of(array)
+        if datatype == "BYTES" or array.dtype.byteorder == ">":
+            raw: bytes | memoryview = encode_raw(array)
+        else:
+            raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
+        return cls(datatype, tuple(array.shape), raw)
+
+    def array(self, name: str) -> np.ndarray:
+        """The tensor as an array (numbers as a view of ``raw``); INVALID_ARGUMENT
+        naming ``name`` when its bytes do not fit its shape."""
+        return decode_raw(name, self.datatype, self.shape, self.raw)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """An ensemble's concurrent requests as one batch through its graph
-(services/colocated/ensemble_batches.py): which ensembles batch, how their
+(services/orchestrator/ensemble_batches.py): which ensembles batch, how their
 queue is set, that each caller gets its own rows, and that one caller's bad
 data fails only that caller. The graph here is an async function over the
-stacked request, the seam the colocated stage passes its graph through."""
+stacked request, the seam through which the colocated stage and the
+orchestrator pass their graphs."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from inference import model_config_pb2 as mc
-from services.colocated.ensemble_batches import EnsembleBatches, ensemble_policy
+from services.orchestrator.ensemble_batches import EnsembleBatches, ensemble_policy
 from shared.batcher import BatchPolicy
 from shared.errors import InvalidArgument, Unavailable
 from shared.request import InferRequest, InferResponse

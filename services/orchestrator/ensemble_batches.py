@@ -1,23 +1,23 @@
-"""Concurrent requests to an ensemble run whole, as one batch through its steps.
+"""Concurrent requests to an ensemble, as one batch through its steps.
 
-A stage that runs an ensemble whole (local_ensembles.py) would otherwise send
-each request through every step on its own: a sub-request, a pass through the
-step's batcher, its statistics and a split of the step's batch, per step and
-request. When the ensemble and all its steps are batched (``max_batch_size`` >
-0), the requests that arrive together are stacked along dim 0 and the graph
-runs once for all of them, as a one-process server runs its steps on a batch;
-the ensemble's outputs are then split back by rows. (The orchestrator's
-step-by-step ensembles do not batch so: there each lane would hold its batch
-through three stage round trips, and at 16 in flight the batches came out
-smaller and slower than the steps' own batchers make them.)
+Without it every request goes through every step on its own: a sub-request,
+a pass through the step's batcher, its statistics and a split of the step's
+batch, per step and request, and where the steps are other processes a round
+trip to each. When the ensemble and all its steps are batched
+(``max_batch_size`` > 0), the requests that arrive together are stacked along
+dim 0 and the graph runs once for all of them, as a one-process server runs
+its steps on a batch; the ensemble's outputs are then split back by rows. Two
+runners use it: a stage that runs an ensemble whole
+(services/colocated/local_ensembles.py) and the orchestrator, for an ensemble
+whose steps are other stages' models (ensemble_queues.py).
 
 The queue is the shared ``DynamicBatcher`` (priorities, queue bounds and
-timeouts, cancellation while queued), with one lane per instance of the
-ensemble's widest step, so every instance of it can have a batch. It waits
-for nothing: a free lane takes whatever has queued while the lanes were busy.
-The ``ensemble_batching: false`` parameter turns it off. A batch whose data
-one request spoils (a step answers INVALID_ARGUMENT) runs again one request at
-a time, so only that request's caller hears the error.
+timeouts, cancellation while queued), with as many lanes (batches at a time)
+as its runner gives it, so every instance of the widest step can have a batch.
+It waits for nothing: a free lane takes whatever has queued while the lanes
+were busy. The ``ensemble_batching: false`` parameter turns it off. A batch
+whose data one request spoils (a step answers INVALID_ARGUMENT) runs again one
+request at a time, so only that request's caller hears the error.
 
 No gRPC here.
 """
