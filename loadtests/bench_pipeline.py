@@ -477,8 +477,10 @@ async def load_once(
 
 
 class DeadlineTarget:
-    """As GrpcTarget, every request with a deadline: an ensemble's steps then each
-    make a ModelInfer instead of travelling on the stages' open streams."""
+    """As GrpcTarget, every request with a deadline: it bounds the caller's wait in
+    the ensemble's queue, and where the ensemble does not batch
+    (``ensemble_batching: false``) each step makes a ModelInfer instead of
+    travelling on the stages' open streams."""
 
     def __init__(self, address: str, payload: bytes, connections: int, deadline_s: float) -> None:
         options = [("grpc.use_local_subchannel_pool", 1)]
@@ -659,7 +661,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument(
         "--with-deadline",
         action="store_true",
-        help="also load with a deadline per request (steps as ModelInfer calls), interleaved",
+        help="also load with a deadline per request, interleaved",
     )
     args = parser.parse_args(argv)
     load, levels = load_from_flags(args)

@@ -59,6 +59,10 @@ FINAL_RESPONSE = "triton_final_response"
 """Response parameter: true on the last response to a request (Triton's name)."""
 EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
 """Request parameter: also send a final response that carries no outputs."""
+GATHERED = "meshserve_gathered"
+"""Request parameter: true when the request's rows are a batch that a queue
+upstream gathered (the orchestrator's ensemble queue), so the model's batcher
+sends it without waiting for others to join (``InferRequest.gathered``)."""
 STATUS_CODE = "meshserve_status_code"
 """Parameter of an in-stream error response: the gRPC status code, as an integer."""
 
@@ -86,6 +90,7 @@ def to_domain(request: pb.ModelInferRequest) -> InferRequest:
         parameters=params,
         priority=priority,
         timeout_us=timeout,
+        gathered=params.get(GATHERED) is True,
     )
 
 

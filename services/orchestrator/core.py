@@ -436,6 +436,7 @@ class Orchestrator:
         replicas = [e for e in self.router.replicas(name) if e.ready]
         if name in self.ensembles.plans:
             self.ensembles.unload(name)
+            self.runner.queues.forget(name)
             if not replicas:
                 return  # else also where a stage runs it whole
         if not replicas:

@@ -56,6 +56,8 @@ class EnsembleRegistry:
         self.plans: dict[str, EnsemblePlan] = {}
         self.failed: dict[str, str] = {}
         self.stats: dict[str, StatsRecorder] = {}
+        self.step_configs: dict[str, dict[str, mc.ModelConfig]] = {}
+        """Each loaded plan's stage models' configs, by model (batch sizes, instances)."""
 
     def names(self) -> list[str]:
         """Ensembles in the repository (loaded or not)."""
@@ -99,18 +101,26 @@ class EnsembleRegistry:
             config = self.repository.entry(name).config
         try:
             models: dict[str, ModelIO] = {}
+            configs: dict[str, mc.ModelConfig] = {}
             for step in config.ensemble_scheduling.step:
-                if step.model_name not in models:
-                    try:
-                        models[step.model_name] = await self._model_io(step.model_name)
-                    except NotFound:
-                        continue  # build() names the step that uses the unknown model
+                model = step.model_name
+                if model in models:
+                    continue
+                if model in self.plans:  # a nested ensemble
+                    models[model] = self.plans[model].io
+                    continue
+                try:
+                    configs[model] = await self._step_config(model)
+                except NotFound:
+                    continue  # build() names the step that uses the unknown model
+                models[model] = ModelIO.from_config(configs[model])
             plan = EnsemblePlan.build(config, models)
         except MeshError as exc:
             self.failed[name] = self._reason(exc)
             self.plans.pop(name, None)
             raise
         self.plans[name] = plan
+        self.step_configs[name] = configs
         if from_repository:
             self._from_repository.add(name)
         else:
@@ -125,11 +135,10 @@ class EnsembleRegistry:
         root = self.repository.root if self.repository is not None else None
         return safe_text(exc.message, root)
 
-    async def _model_io(self, model: str) -> ModelIO:
-        if model in self.plans:
-            return self.plans[model].io
+    async def _step_config(self, model: str) -> mc.ModelConfig:
+        """A stage model's config, from the stage that hosts it."""
         try:
-            return ModelIO.from_config(await self._fetch_config(model))
+            return await self._fetch_config(model)
         except NotFound:
             raise
         except MeshError as exc:
@@ -139,6 +148,7 @@ class EnsembleRegistry:
         """Stop serving an ensemble."""
         if self.plans.pop(name, None) is None:
             raise NotFound(f"model '{name}' is not loaded")
+        self.step_configs.pop(name, None)
         self._from_repository.discard(name)
 
     def served_whole(self, name: str) -> bool:
@@ -164,7 +174,7 @@ class EnsembleRegistry:
         return plan
 
     @contextlib.contextmanager
-    def _recorded(self, name: str) -> Iterator[None]:
+    def recorded(self, name: str) -> Iterator[None]:
         """Record one request's outcome and duration in the ensemble's statistics."""
         started = time.monotonic_ns()
         recorder = self.stats[name]
@@ -186,7 +196,7 @@ class EnsembleRegistry:
         tracer: trace.Tracer,
     ) -> AsyncIterator[dict[str, WireTensor]]:
         """Stream one request through a decoupled ``plan``, recording statistics."""
-        with self._recorded(plan.name):
+        with self.recorded(plan.name):
             async for outputs in plan.stream(inputs, call, stream_call, tracer):
                 yield outputs
 
@@ -198,5 +208,5 @@ class EnsembleRegistry:
         tracer: trace.Tracer,
     ) -> dict[str, WireTensor]:
         """Run one request through ``plan``, recording statistics."""
-        with self._recorded(plan.name):
+        with self.recorded(plan.name):
             return await plan.run(inputs, call, tracer)

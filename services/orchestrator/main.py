@@ -108,7 +108,7 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
     # Envoy's edge sends unary ModelInfer here over HTTP/1.1 (gateway/envoy/wire.py).
     parts.wire_handlers = {INFER_METHOD: servicer.forward_infer}
     parts.on_start = [start]
-    parts.on_stop = [routes.close, router.stop]
+    parts.on_stop = [routes.close, core.runner.close, router.stop]
     add_job_api(parts)  # batch jobs' meshserve.v1 API, when a job queue is configured
     return parts
 

@@ -29,6 +29,7 @@ from services.orchestrator.ensemble import (
     WireTensor,
     is_finished,
 )
+from services.orchestrator.ensemble_queues import EnsembleQueues
 from services.orchestrator.ensembles import ENSEMBLE_VERSION, EnsembleRegistry
 from services.orchestrator.route_headers import FINAL_ONLY_PARAMETER
 from services.orchestrator.router import StageRouter
@@ -97,15 +98,24 @@ class EnsembleRunner:
         self.ensembles = ensembles
         self.nested = nested
         self.tracer = tracer
+        self.queues = EnsembleQueues(router, ensembles, tracer)
 
     async def infer(
         self, plan: EnsemblePlan, request: pb.ModelInferRequest, deadline: Deadline
     ) -> pb.ModelInferResponse:
         """The ensemble's one answer to ``request``."""
         classify = self._classifier(plan, request)
-        call = self._step_call(request, deadline)
-        outputs = await self.ensembles.run(plan, wire_inputs(request), call, self.tracer)
+        # Through the ensemble's queue: with the requests waiting beside it, as one
+        # batch (ensemble_queues.py).
+        outputs = await self.queues.infer(plan, request, deadline.remaining())
+        if outputs is None:
+            call = self._step_call(request, deadline)
+            outputs = await self.ensembles.run(plan, wire_inputs(request), call, self.tracer)
         return _response(plan, request, classify(outputs))
+
+    async def close(self) -> None:
+        """Finish the batches the ensembles' queues hold."""
+        await self.queues.close()
 
     async def stream(
         self, plan: EnsemblePlan, request: pb.ModelInferRequest, deadline: Deadline

@@ -1,0 +1,198 @@
+"""The orchestrator's ensemble queues: requests that arrive together cross the
+steps' stages as one batch.
+
+Step by step, each request of an ensemble makes a round trip to every step's
+stage, and each stage decodes, queues, batches, splits and answers it on its
+own. For an ensemble whose steps are all batched stage models (none streaming,
+none an ensemble), the requests that wait together here are stacked along
+dim 0 (ensemble_batches.py): each step gets one request for all of them, which
+its batcher sends at once (the ``GATHERED`` parameter), and the ensemble's
+outputs are split back by rows.
+
+Lanes (batches at a time): one per instance of the widest step, over all its
+replicas, and one more, so that while every instance of that step runs a
+batch, another batch crosses the cheaper steps. A caller's deadline bounds
+its own wait (DEADLINE_EXCEEDED); its batch runs on for the others. Requests
+to an ensemble whose ``ensemble_batching`` parameter is ``false`` run alone,
+step by step (runner.py).
+
+No gRPC servicer here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from inference import grpc_service_pb2 as pb
+from inference import model_config_pb2 as mc
+from services.orchestrator.ensemble import EnsemblePlan, Step, StepCall, WireTensor
+from services.orchestrator.ensemble_batches import EnsembleBatches, ensemble_policy
+from services.orchestrator.ensembles import EnsembleRegistry
+from services.orchestrator.router import StageRouter
+from services.orchestrator.step_wire import answer_tensors, request_bytes
+from shared.batcher import BatchPolicy
+from shared.errors import DeadlineExceeded
+from shared.request import InferRequest, InferResponse
+from shared.servicer import GATHERED, to_domain
+
+Outputs = dict[str, WireTensor]
+
+
+@dataclass(frozen=True)
+class _Queue:
+    """One ensemble's queue (None: it does not batch), for the plan and lane count
+    it was made for."""
+
+    plan: EnsemblePlan
+    lanes: int
+    batches: EnsembleBatches | None
+
+
+class EnsembleQueues:
+    """A queue per batching ensemble; each batch through the steps' stages."""
+
+    def __init__(
+        self, router: StageRouter, ensembles: EnsembleRegistry, tracer: trace.Tracer
+    ) -> None:
+        self._router = router
+        self._ensembles = ensembles
+        self._tracer = tracer
+        self._queues: dict[str, _Queue] = {}
+        self._retiring: set[asyncio.Task[None]] = set()
+        """Replaced queues finishing what they hold."""
+
+    async def infer(
+        self, plan: EnsemblePlan, request: pb.ModelInferRequest, timeout_s: float | None
+    ) -> Outputs | None:
+        """The ensemble's outputs for ``request`` by way of its queue, within
+        ``timeout_s``; None when the ensemble does not batch or the request names an
+        output it lacks (the step-by-step run answers that)."""
+        if any(output.name not in plan.io.outputs for output in request.outputs):
+            return None
+        batches = await self._batches(plan)
+        if batches is None:
+            return None
+        with self._ensembles.recorded(plan.name):
+            answer = await _within(batches.infer(to_domain(request)), timeout_s, plan.name)
+        return {name: WireTensor.of(array) for name, array in answer.outputs.items()}
+
+    async def _batches(self, plan: EnsemblePlan) -> EnsembleBatches | None:
+        """The plan's queue, made (again) when the plan or its lane count changed."""
+        configs = self._ensembles.step_configs.get(plan.name, {})
+        lanes = self._lanes(configs)
+        queue = self._queues.get(plan.name)
+        if queue is not None and queue.plan is plan and queue.lanes == lanes:
+            return queue.batches
+        batches = None
+        policy = _policy(plan, configs, lanes)
+        if policy is not None:
+            batches = EnsembleBatches(plan.name, policy, lanes, self._runner(plan), self._tracer)
+            await batches.start()
+        self._retire(queue)
+        self._queues[plan.name] = _Queue(plan, lanes, batches)
+        return batches
+
+    def forget(self, name: str) -> None:
+        """Drop the ensemble's queue (it was unloaded or reloaded); what it holds
+        still runs."""
+        self._retire(self._queues.pop(name, None))
+
+    def _lanes(self, configs: dict[str, mc.ModelConfig]) -> int:
+        """One lane per instance of the widest step, over its replicas, and one more."""
+        widest = max(
+            (
+                _instances(config) * max(1, len(self._router.replicas(model)))
+                for model, config in configs.items()
+            ),
+            default=1,
+        )
+        return widest + 1
+
+    def _runner(self, plan: EnsemblePlan) -> EnsembleBatchRun:
+        return EnsembleBatchRun(plan, self._router, self._tracer)
+
+    def _retire(self, queue: _Queue | None) -> None:
+        """Let a replaced queue finish what it holds, in a task kept until it has."""
+        if queue is None or queue.batches is None:
+            return
+        task = asyncio.get_running_loop().create_task(queue.batches.stop())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def close(self) -> None:
+        """Finish what every queue holds, then end their lanes."""
+        queues = [queue.batches for queue in self._queues.values() if queue.batches is not None]
+        self._queues.clear()
+        for batches in queues:
+            await batches.stop()
+        if self._retiring:
+            await asyncio.wait(self._retiring)
+
+
+class EnsembleBatchRun:
+    """One (possibly stacked) request through the plan, each step one message to
+    its stage on an open stream (router.forward), flagged as a gathered batch."""
+
+    def __init__(self, plan: EnsemblePlan, router: StageRouter, tracer: trace.Tracer) -> None:
+        self._plan = plan
+        self._router = router
+        self._tracer = tracer
+
+    async def __call__(self, request: InferRequest) -> InferResponse:
+        """The plan's outputs that ``request`` asked for (all when it named none)."""
+        parameters = {GATHERED: pb.InferParameter(bool_param=True)}
+        if request.priority:
+            parameters["priority"] = pb.InferParameter(int64_param=request.priority)
+        if request.timeout_us:
+            parameters["timeout"] = pb.InferParameter(int64_param=request.timeout_us)
+        inputs = {name: WireTensor.of(array) for name, array in request.inputs.items()}
+        call = self._step_call(request.id, parameters)
+        produced = await self._plan.run(inputs, call, self._tracer)
+        wanted = request.requested_outputs or list(produced)
+        return InferResponse(outputs={name: produced[name].array(name) for name in wanted})
+
+    def _step_call(self, request_id: str, parameters: dict[str, pb.InferParameter]) -> StepCall:
+        async def call(step: Step, inputs: Outputs, outputs: list[str]) -> Outputs:
+            data = request_bytes(step, inputs, outputs, request_id, parameters)
+            answer = await self._router.forward(step.model, data, None, request_id)
+            return answer_tensors(step.model, answer)
+
+        return call
+
+
+async def _within(
+    answer: Awaitable[InferResponse], timeout_s: float | None, ensemble: str
+) -> InferResponse:
+    """``answer``, or DEADLINE_EXCEEDED once the caller's ``timeout_s`` has passed."""
+    if timeout_s is None:
+        return await answer
+    try:
+        return await asyncio.wait_for(answer, timeout_s)
+    except TimeoutError:
+        raise DeadlineExceeded(
+            f"ensemble '{ensemble}': no answer within the caller's deadline ({timeout_s:.3f} s)"
+        ) from None
+
+
+def _policy(
+    plan: EnsemblePlan, configs: dict[str, mc.ModelConfig], lanes: int
+) -> BatchPolicy | None:
+    """How the plan's queue batches; None when a step is not a stage model (a nested
+    ensemble), streams, keeps sequences, or the ensemble or a step has no batch
+    dimension, or its ``ensemble_batching`` parameter is ``false``."""
+    if plan.streaming is not None or {step.model for step in plan.steps} != set(configs):
+        return None
+    if any(config.HasField("sequence_batching") for config in configs.values()):
+        return None
+    return ensemble_policy(plan.config, list(configs.values()), lanes)
+
+
+def _instances(config: mc.ModelConfig) -> int:
+    """The model's execution instances on one replica, as its instance_group lists them
+    (a GPU group without a device list counted once)."""
+    groups = list(config.instance_group) or [mc.ModelInstanceGroup(count=1)]
+    return sum((group.count or 1) * max(1, len(group.gpus)) for group in groups)
