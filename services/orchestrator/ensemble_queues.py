@@ -35,7 +35,7 @@ from services.orchestrator.ensembles import EnsembleRegistry
 from services.orchestrator.router import StageRouter
 from services.orchestrator.step_wire import answer_tensors, request_bytes
 from shared.batcher import BatchPolicy
-from shared.errors import DeadlineExceeded
+from shared.errors import DeadlineExceeded, InvalidArgument
 from shared.request import InferRequest, InferResponse
 from shared.servicer import GATHERED, to_domain
 
@@ -50,6 +50,8 @@ class _Queue:
     plan: EnsemblePlan
     lanes: int
     batches: EnsembleBatches | None
+    max_rows: int = 0
+    """The most rows a request may bring (the narrowest step's max_batch_size)."""
 
 
 class EnsembleQueues:
@@ -69,32 +71,41 @@ class EnsembleQueues:
         self, plan: EnsemblePlan, request: pb.ModelInferRequest, timeout_s: float | None
     ) -> Outputs | None:
         """The ensemble's outputs for ``request`` by way of its queue, within
-        ``timeout_s``; None when the ensemble does not batch or the request names an
-        output it lacks (the step-by-step run answers that)."""
+        ``timeout_s``; None when the ensemble does not batch, or the request could
+        not share a batch (its inputs' rows disagree, or are none or too many), or
+        names an output the ensemble lacks: the step-by-step run answers those as
+        it always did."""
         if any(output.name not in plan.io.outputs for output in request.outputs):
             return None
-        batches = await self._batches(plan)
-        if batches is None:
+        queue = await self._queue(plan)
+        if queue.batches is None:
+            return None
+        try:
+            domain = to_domain(request)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"ensemble '{plan.name}': {exc.message}") from None
+        if not 1 <= _rows(domain) <= queue.max_rows:
             return None
         with self._ensembles.recorded(plan.name):
-            answer = await _within(batches.infer(to_domain(request)), timeout_s, plan.name)
+            answer = await _within(queue.batches.infer(domain), timeout_s, plan.name)
         return {name: WireTensor.of(array) for name, array in answer.outputs.items()}
 
-    async def _batches(self, plan: EnsemblePlan) -> EnsembleBatches | None:
+    async def _queue(self, plan: EnsemblePlan) -> _Queue:
         """The plan's queue, made (again) when the plan or its lane count changed."""
         configs = self._ensembles.step_configs.get(plan.name, {})
         lanes = self._lanes(configs)
         queue = self._queues.get(plan.name)
         if queue is not None and queue.plan is plan and queue.lanes == lanes:
-            return queue.batches
-        batches = None
+            return queue
+        made = _Queue(plan, lanes, None)
         policy = _policy(plan, configs, lanes)
         if policy is not None:
             batches = EnsembleBatches(plan.name, policy, lanes, self._runner(plan), self._tracer)
             await batches.start()
+            made = _Queue(plan, lanes, batches, policy.max_batch_size)
         self._retire(queue)
-        self._queues[plan.name] = _Queue(plan, lanes, batches)
-        return batches
+        self._queues[plan.name] = made
+        return made
 
     def forget(self, name: str) -> None:
         """Drop the ensemble's queue (it was unloaded or reloaded); what it holds
@@ -176,6 +187,13 @@ async def _within(
         raise DeadlineExceeded(
             f"ensemble '{ensemble}': no answer within the caller's deadline ({timeout_s:.3f} s)"
         ) from None
+
+
+def _rows(request: InferRequest) -> int:
+    """The rows every input of ``request`` brings; 0 when they disagree (or one
+    has no dims), so that its rows could not be told apart in a batch."""
+    counts = {array.shape[0] if array.ndim else -1 for array in request.inputs.values()}
+    return counts.pop() if len(counts) == 1 and -1 not in counts else 0
 
 
 def _policy(

@@ -2,8 +2,9 @@
 with the step on a stage of its own, requests to the ensemble that wait
 together cross to that stage as one batch, which the stage's batcher does not
 hold for company; each caller gets its own rows, one caller's bad data fails
-only that caller, and a caller whose deadline passes leaves its batch to the
-others.
+only that caller, a caller whose deadline passes leaves its batch to the
+others, and a request that cannot share a batch (its inputs' rows disagree, or
+are none or too many) is answered as it would be alone.
 
 The stage (python backend) and the orchestrator are real grpc.aio servers on
 port 0 in the test's event loop (tests/in_process.py); the ensemble runs on
@@ -12,6 +13,7 @@ the orchestrator."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -21,8 +23,10 @@ import pytest
 
 from inference import grpc_service_pb2 as pb
 from shared.tensors import decode_outputs, encode_inputs
+from tests.conftest import DATA
 from tests.in_process import Mesh, running
 from tests.integration.test_colocated import checked_repo, checked_waves, stage_statistics
+from tests.integration.test_orchestrator import DIAMOND, ensemble, scale_model
 
 __all__ = ["checked_repo"]  # the fixture, shared with test_colocated.py
 
@@ -93,3 +97,62 @@ def test_a_callers_deadline_ends_its_own_wait_and_not_its_batch(checked_repo: Pa
         np.testing.assert_allclose(await call(4.0, deadline_s=5.0), [[40.0]])  # still serving
 
     in_mesh(checked_repo, scenario)
+
+
+def diamond_request(a: np.ndarray, b: np.ndarray) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="diamond")
+    encode_inputs(request, {"A": a, "B": b})
+    return request
+
+
+ONE = np.ones((1, 4), dtype=np.float32)
+
+
+def short_raw() -> pb.ModelInferRequest:
+    request = diamond_request(ONE, ONE)
+    request.raw_input_contents[0] = b"\0" * 7
+    return request
+
+
+# A request that cannot share a batch, and what its caller hears; None: answered.
+ODD_REQUESTS = [
+    ("rows_disagree", lambda: diamond_request(np.ones((2, 4), np.float32), ONE), None),
+    ("no_rows", lambda: diamond_request(np.ones((0, 4), np.float32), ONE[:0]), "batch size 0"),
+    ("too_many_rows", lambda: diamond_request(np.ones((9, 4), np.float32), ONE.repeat(9, 0)), "9"),
+    ("short_raw", short_raw, "ensemble 'diamond': tensor 'A'"),
+    ("wrong_shape", lambda: diamond_request(ONE[:, :3], ONE[:, :3]), "input 'A'"),
+]
+
+
+def test_a_request_that_cannot_share_a_batch_is_answered_alone(tmp_path: Path) -> None:
+    shutil.copytree(DATA / "models" / "add_sub", tmp_path / "add_sub")
+    scale_model(tmp_path, "double_slow", 2, sleep_ms=100)
+    scale_model(tmp_path, "triple_slow", 3, sleep_ms=100)
+    ensemble(tmp_path, "diamond", DIAMOND)
+
+    async def scenario(mesh: Mesh) -> None:
+        async def call(request: pb.ModelInferRequest) -> dict[str, np.ndarray] | Exception:
+            try:
+                return decode_outputs(await mesh.v2.ModelInfer(request))
+            except grpc.aio.AioRpcError as exc:
+                return exc
+
+        for name, odd, heard in ODD_REQUESTS:
+            busy = asyncio.create_task(call(diamond_request(ONE, ONE)))
+            await asyncio.sleep(0.03)  # the odd one arrives among others that wait together
+            before, answer, after = await asyncio.gather(
+                call(diamond_request(ONE * 2, ONE)),
+                call(odd()),
+                call(diamond_request(ONE * 3, ONE)),
+            )
+            for value, neighbour in ((2, before), (3, after), (1, await busy)):
+                assert not isinstance(neighbour, Exception), (name, neighbour)
+                np.testing.assert_allclose(neighbour["SUM_X2"], (ONE * value + 1) * 2)
+            if heard is None:
+                assert not isinstance(answer, Exception), (name, answer)
+            else:
+                assert isinstance(answer, grpc.aio.AioRpcError), (name, answer)
+                assert answer.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+                assert heard in (answer.details() or ""), (name, answer.details())
+
+    in_mesh(tmp_path, scenario)
