@@ -521,11 +521,25 @@ class ModelVersion:
                     continue
                 raise InvalidArgument(f"model '{self.name}': missing input '{name}'")
             request.inputs[name] = self._check_tensor(tensor, request.inputs[name])
+        if self.batched:
+            self._check_rows(request)
         for name in request.requested_outputs or ():
             if name not in self._outputs:
                 raise InvalidArgument(
                     f"model '{self.name}': unknown output '{name}'; "
                     f"expected {sorted(self._outputs)}"
+                )
+
+    def _check_rows(self, request: InferRequest) -> None:
+        """Every input of a request to a batched model brings the same rows (Triton
+        refuses it otherwise): a batch is split back among its requests by rows."""
+        rows = {name: int(array.shape[0]) for name, array in request.inputs.items()}
+        first = next(iter(rows), None)
+        for name, count in rows.items():
+            if first is not None and count != rows[first]:
+                raise InvalidArgument(
+                    f"model '{self.name}': input '{name}' has batch size {count}, but input "
+                    f"'{first}' has {rows[first]}; every input needs the same batch size"
                 )
 
     def _check_tensor(self, tensor: mc.ModelInput, array: np.ndarray) -> np.ndarray:

@@ -4,7 +4,8 @@ together cross to that stage as one batch, which the stage's batcher does not
 hold for company; each caller gets its own rows, one caller's bad data fails
 only that caller, a caller whose deadline passes leaves its batch to the
 others, and a request that cannot share a batch (its inputs' rows disagree, or
-are none or too many) is answered as it would be alone.
+are none or too many) fails alone, here and on a stage that runs the ensemble
+whole.
 
 The stage (python backend) and the orchestrator are real grpc.aio servers on
 port 0 in the test's event loop (tests/in_process.py); the ensemble runs on
@@ -31,9 +32,11 @@ from tests.integration.test_orchestrator import DIAMOND, ensemble, scale_model
 __all__ = ["checked_repo"]  # the fixture, shared with test_colocated.py
 
 
-def in_mesh(repo: Path, scenario: Callable[[Mesh], Awaitable[None]]) -> None:
+def in_mesh(
+    repo: Path, scenario: Callable[[Mesh], Awaitable[None]], local_ensembles: bool = False
+) -> None:
     async def run() -> None:
-        async with running(repo) as mesh:
+        async with running(repo, local_ensembles=local_ensembles) as mesh:
             await asyncio.wait_for(scenario(mesh), 60)
 
     asyncio.run(run())
@@ -114,17 +117,20 @@ def short_raw() -> pb.ModelInferRequest:
     return request
 
 
-# A request that cannot share a batch, and what its caller hears; None: answered.
+# A request that cannot share a batch, and what its caller hears.
 ODD_REQUESTS = [
-    ("rows_disagree", lambda: diamond_request(np.ones((2, 4), np.float32), ONE), None),
+    ("rows_disagree", lambda: diamond_request(np.ones((2, 4), np.float32), ONE), "same batch size"),
     ("no_rows", lambda: diamond_request(np.ones((0, 4), np.float32), ONE[:0]), "batch size 0"),
     ("too_many_rows", lambda: diamond_request(np.ones((9, 4), np.float32), ONE.repeat(9, 0)), "9"),
-    ("short_raw", short_raw, "ensemble 'diamond': tensor 'A'"),
+    ("short_raw", short_raw, "tensor 'A'"),
     ("wrong_shape", lambda: diamond_request(ONE[:, :3], ONE[:, :3]), "input 'A'"),
 ]
 
 
-def test_a_request_that_cannot_share_a_batch_is_answered_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize("local_ensembles", [False, True], ids=["orchestrator", "colocated"])
+def test_a_request_that_cannot_share_a_batch_fails_alone(
+    tmp_path: Path, local_ensembles: bool
+) -> None:
     shutil.copytree(DATA / "models" / "add_sub", tmp_path / "add_sub")
     scale_model(tmp_path, "double_slow", 2, sleep_ms=100)
     scale_model(tmp_path, "triple_slow", 3, sleep_ms=100)
@@ -148,11 +154,8 @@ def test_a_request_that_cannot_share_a_batch_is_answered_alone(tmp_path: Path) -
             for value, neighbour in ((2, before), (3, after), (1, await busy)):
                 assert not isinstance(neighbour, Exception), (name, neighbour)
                 np.testing.assert_allclose(neighbour["SUM_X2"], (ONE * value + 1) * 2)
-            if heard is None:
-                assert not isinstance(answer, Exception), (name, answer)
-            else:
-                assert isinstance(answer, grpc.aio.AioRpcError), (name, answer)
-                assert answer.code() == grpc.StatusCode.INVALID_ARGUMENT, name
-                assert heard in (answer.details() or ""), (name, answer.details())
+            assert isinstance(answer, grpc.aio.AioRpcError), (name, answer)
+            assert answer.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+            assert heard in (answer.details() or ""), (name, answer.details())
 
-    in_mesh(tmp_path, scenario)
+    in_mesh(tmp_path, scenario, local_ensembles)

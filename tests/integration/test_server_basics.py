@@ -116,6 +116,21 @@ def test_wrong_byte_length_is_invalid_argument_naming_the_tensor(
         assert outputs["OUTPUT0"].tolist() == [[2.0] * 4]
 
 
+def test_inputs_that_disagree_on_their_batch_size_are_invalid_argument(
+    python_service: ServiceProcess,
+) -> None:
+    request = pb.ModelInferRequest(model_name="add_sub")
+    encode_inputs(
+        request, {"INPUT0": np.ones((2, 4), np.float32), "INPUT1": np.ones((1, 4), np.float32)}
+    )
+    with grpc.insecure_channel(python_service.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.ModelInfer(request)  # numpy would broadcast it, and a batch be split wrong
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "'INPUT1' has batch size 1, but input 'INPUT0' has 2" in caught.value.details()
+
+
 def test_python_models_dir_is_used(python_models_repo: Path) -> None:
     assert (python_models_repo / "add_sub" / "1" / "model.py").is_file()
 
