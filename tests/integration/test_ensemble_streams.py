@@ -1,8 +1,10 @@
-"""An ensemble's steps on the stages' open streams: a request without a deadline and
-outside a trace sends each step as a message on an open stream (as a forwarded
-request travels), one with a deadline makes a ModelInfer per step. Either way each
-caller gets its own answer under its own id, and a step's error names the step.
-The orchestrator and a python-backend stage run in this process (tests/in_process.py).
+"""An ensemble's steps on the stages' open streams: through the ensemble's queue
+each step of a batch is a message on an open stream (as a forwarded request
+travels), the caller's deadline or not; where the ensemble runs each request
+alone (``ensemble_batching: false``), a request with a deadline makes a
+ModelInfer per step. Either way each caller gets its own answer under its own
+id, and a step's error names the step. The orchestrator and a python-backend
+stage run in this process (tests/in_process.py).
 """
 
 from __future__ import annotations
@@ -62,6 +64,12 @@ ensemble_scheduling { step [
 """
 
 
+# The same, each request alone through the steps (Triton's way).
+ALONE = CHAIN.replace('name: "chain"', 'name: "chain_alone"') + (
+    'parameters { key: "ensemble_batching" value: { string_value: "false" } }\n'
+)
+
+
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("ensemble-streams")
@@ -70,32 +78,36 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "plus_one" / "1" / "model.py").write_text(MODEL)
     (root / "chain" / "1").mkdir(parents=True)
     (root / "chain" / "config.pbtxt").write_text(CHAIN)
+    (root / "chain_alone" / "1").mkdir(parents=True)
+    (root / "chain_alone" / "config.pbtxt").write_text(ALONE)
     return root
 
 
-def chain_request(value: float, request_id: str) -> pb.ModelInferRequest:
-    request = pb.ModelInferRequest(model_name="chain", id=request_id)
+def chain_request(value: float, request_id: str, model: str = "chain") -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=model, id=request_id)
     encode_inputs(request, {"X": np.full((1, 4), value, np.float32)})
     return request
 
 
-async def answers(mesh: Mesh, deadline_s: float | None) -> None:
+async def answers(mesh: Mesh, deadline_s: float | None, model: str = "chain") -> None:
     """Twelve requests at once, some without an id: each gets x + 2 and its id."""
-    requests = [chain_request(i, f"caller-{i}" if i % 3 else "") for i in range(12)]
+    requests = [chain_request(i, f"caller-{i}" if i % 3 else "", model) for i in range(12)]
     replies = await asyncio.gather(*(mesh.v2.ModelInfer(r, timeout=deadline_s) for r in requests))
     for index, (request, reply) in enumerate(zip(requests, replies, strict=True)):
         assert reply.id == request.id
         assert decode_outputs(reply)["Y"].tolist() == [[index + 2.0] * 4]
 
 
-def test_steps_travel_on_open_streams_unless_the_caller_set_a_deadline(repo: Path) -> None:
+def test_steps_travel_on_open_streams_unless_alone_with_a_deadline(repo: Path) -> None:
     async def scenario() -> None:
         async with running(repo) as mesh:
             (endpoint,) = mesh.core.router.endpoints
+            await answers(mesh, deadline_s=10, model="chain_alone")
+            assert not endpoint.forward_streams, "a lone request with a deadline used a stream"
             await answers(mesh, deadline_s=10)
-            assert not endpoint.forward_streams, "a request with a deadline used a stream"
+            assert endpoint.forward_streams, "no batch's step travelled on a stream"
             await answers(mesh, deadline_s=None)
-            assert endpoint.forward_streams, "no step travelled on a stream"
+            await answers(mesh, deadline_s=None, model="chain_alone")
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await mesh.v2.ModelInfer(chain_request(-5, "bad"))
             details = caught.value.details() or ""
