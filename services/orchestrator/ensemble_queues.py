@@ -12,9 +12,10 @@ outputs are split back by rows.
 Lanes (batches at a time): one per instance of the widest step, over all its
 replicas, and one more, so that while every instance of that step runs a
 batch, another batch crosses the cheaper steps. A caller's deadline bounds
-its own wait (DEADLINE_EXCEEDED); its batch runs on for the others. Requests
-to an ensemble whose ``ensemble_batching`` parameter is ``false`` run alone,
-step by step (runner.py).
+its own wait (DEADLINE_EXCEEDED); its batch runs on for the others. A request
+that finds nothing else in flight runs alone, step by step (runner.py), as
+every request to an ensemble whose ``ensemble_batching`` parameter is
+``false`` does.
 
 No gRPC servicer here.
 """
@@ -22,7 +23,7 @@ No gRPC servicer here.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -66,26 +67,40 @@ class EnsembleQueues:
         self._queues: dict[str, _Queue] = {}
         self._retiring: set[asyncio.Task[None]] = set()
         """Replaced queues finishing what they hold."""
+        self._alone: dict[str, int] = {}
+        """By ensemble: requests running alone because none other was in flight."""
 
     async def infer(
-        self, plan: EnsemblePlan, request: pb.ModelInferRequest, timeout_s: float | None
-    ) -> Outputs | None:
-        """The ensemble's outputs for ``request`` by way of its queue, within
-        ``timeout_s``; None when the ensemble does not batch, or the request could
-        not share a batch (its inputs' rows disagree, or are none or too many), or
-        names an output the ensemble lacks: the step-by-step run answers those as
-        it always did."""
+        self,
+        plan: EnsemblePlan,
+        request: pb.ModelInferRequest,
+        timeout_s: float | None,
+        alone: Callable[[], Awaitable[Outputs]],
+    ) -> Outputs:
+        """The ensemble's outputs for ``request``: by way of its queue, within
+        ``timeout_s``, or from ``alone`` (the request by itself, step by step, as an
+        ensemble that does not batch runs each one). Alone go a request that finds
+        nothing else of the ensemble in flight (the queue would only add its own
+        work), one that could not share a batch (its inputs' rows disagree, or are
+        none or too many) and one that names an output the ensemble lacks: each is
+        answered as it always was."""
         if any(output.name not in plan.io.outputs for output in request.outputs):
-            return None
+            return await alone()
         queue = await self._queue(plan)
         if queue.batches is None:
-            return None
+            return await alone()
+        if self._alone.get(plan.name, 0) == 0 and queue.batches.batcher.in_flight == 0:
+            self._alone[plan.name] = self._alone.get(plan.name, 0) + 1
+            try:
+                return await alone()
+            finally:
+                self._alone[plan.name] -= 1
         try:
             domain = to_domain(request)
         except InvalidArgument as exc:
             raise InvalidArgument(f"ensemble '{plan.name}': {exc.message}") from None
         if not 1 <= _rows(domain) <= queue.max_rows:
-            return None
+            return await alone()
         with self._ensembles.recorded(plan.name):
             answer = await _within(queue.batches.infer(domain), timeout_s, plan.name)
         return {name: WireTensor.of(array) for name, array in answer.outputs.items()}

@@ -105,12 +105,14 @@ class EnsembleRunner:
     ) -> pb.ModelInferResponse:
         """The ensemble's one answer to ``request``."""
         classify = self._classifier(plan, request)
-        # Through the ensemble's queue: with the requests waiting beside it, as one
-        # batch (ensemble_queues.py).
-        outputs = await self.queues.infer(plan, request, deadline.remaining())
-        if outputs is None:
+
+        async def alone() -> Outputs:
             call = self._step_call(request, deadline)
-            outputs = await self.ensembles.run(plan, wire_inputs(request), call, self.tracer)
+            return await self.ensembles.run(plan, wire_inputs(request), call, self.tracer)
+
+        # Through the ensemble's queue: with the requests waiting beside it, as one
+        # batch, else alone (ensemble_queues.py).
+        outputs = await self.queues.infer(plan, request, deadline.remaining(), alone)
         return _response(plan, request, classify(outputs))
 
     async def close(self) -> None:
