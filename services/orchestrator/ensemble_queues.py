@@ -49,6 +49,8 @@ class _Queue:
     it was made for."""
 
     plan: EnsemblePlan
+    endpoints: int
+    """How many stage endpoints the router knew (when that changes, so may the lanes)."""
     lanes: int
     batches: EnsembleBatches | None
     max_rows: int = 0
@@ -107,17 +109,22 @@ class EnsembleQueues:
 
     async def _queue(self, plan: EnsemblePlan) -> _Queue:
         """The plan's queue, made (again) when the plan or its lane count changed."""
+        queue = self._queues.get(plan.name)
+        endpoints = len(self._router.endpoints)
+        if queue is not None and queue.plan is plan and queue.endpoints == endpoints:
+            return queue
         configs = self._ensembles.step_configs.get(plan.name, {})
         lanes = self._lanes(configs)
-        queue = self._queues.get(plan.name)
         if queue is not None and queue.plan is plan and queue.lanes == lanes:
-            return queue
-        made = _Queue(plan, lanes, None)
+            made = _Queue(plan, endpoints, lanes, queue.batches, queue.max_rows)
+            self._queues[plan.name] = made
+            return made
+        made = _Queue(plan, endpoints, lanes, None)
         policy = _policy(plan, configs, lanes)
         if policy is not None:
             batches = EnsembleBatches(plan.name, policy, lanes, self._runner(plan), self._tracer)
             await batches.start()
-            made = _Queue(plan, lanes, batches, policy.max_batch_size)
+            made = _Queue(plan, endpoints, lanes, batches, policy.max_batch_size)
         self._retire(queue)
         self._queues[plan.name] = made
         return made
