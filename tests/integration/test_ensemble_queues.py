@@ -1,15 +1,15 @@
-"""The orchestrator's ensemble queues (services/orchestrator/ensemble_queues.py):
-with the step on a stage of its own, requests to the ensemble that wait
-together cross to that stage as one batch, which the stage's batcher does not
-hold for company; each caller gets its own rows, one caller's bad data fails
-only that caller, a caller whose deadline passes leaves its batch to the
-others, and a request that cannot share a batch (its inputs' rows disagree, or
-are none or too many) fails alone, here and on a stage that runs the ensemble
-whole.
+"""An ensemble's requests that wait together, as one batch through its steps:
+on the orchestrator (services/orchestrator/ensemble_queues.py), with the step on
+a stage of its own, and on a stage that runs the ensemble whole
+(services/colocated/). The step's batcher does not hold a gathered batch for
+company; each caller gets its own rows; one caller's bad data fails only that
+caller; a caller whose deadline passes leaves its batch to the others; a
+request that cannot share a batch (its inputs' rows disagree, or are none or
+too many) fails alone.
 
-The stage (python backend) and the orchestrator are real grpc.aio servers on
-port 0 in the test's event loop (tests/in_process.py); the ensemble runs on
-the orchestrator."""
+The stage (python backend, and the ensemble backend where it runs ensembles
+whole) and the orchestrator are real grpc.aio servers on port 0 in the test's
+event loop (tests/in_process.py)."""
 
 from __future__ import annotations
 
@@ -26,10 +26,82 @@ from inference import grpc_service_pb2 as pb
 from shared.tensors import decode_outputs, encode_inputs
 from tests.conftest import DATA
 from tests.in_process import Mesh, running
-from tests.integration.test_colocated import checked_repo, checked_waves, stage_statistics
+from tests.integration.test_colocated import stage_statistics
 from tests.integration.test_orchestrator import DIAMOND, ensemble, scale_model
 
-__all__ = ["checked_repo"]  # the fixture, shared with test_colocated.py
+# X * 10 after 150 ms; a request with a negative value is refused INVALID_ARGUMENT.
+CHECKED_MODEL = """
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(0.15)
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            if (x < 0).any():
+                code = pb_utils.TritonError.INVALID_ARG
+                error = pb_utils.TritonError("X must not be negative", code)
+                responses.append(pb_utils.InferenceResponse(error=error))
+            else:
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 10)]))
+        return responses
+"""
+# Its own queue would hold a partial batch for 3 s (Triton's fixed delay): an
+# ensemble's batch, gathered already, must not wait there.
+CHECKED_CONFIG = """
+name: "checked" backend: "python" max_batch_size: 8
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+dynamic_batching { max_queue_delay_microseconds: 3000000 }
+parameters { key: "queue_delay_policy" value: { string_value: "fixed" } }
+"""
+CHECKED_PIPELINE = """
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "checked" model_version: -1
+    input_map { key: "X" value: "X" } output_map { key: "Y" value: "Y" } }
+] }
+"""
+
+
+async def checked_waves(mesh: Mesh, values: list[float]) -> list[np.ndarray | grpc.aio.AioRpcError]:
+    """Two requests that keep the one ``checked`` instance busy (the first runs at
+    once, the second waits for it), then ``values`` while they run: those wait
+    together in the ensemble's queue and go through the step as one batch."""
+
+    async def call(value: float) -> np.ndarray | grpc.aio.AioRpcError:
+        request = pb.ModelInferRequest(model_name="checked_pipeline")
+        encode_inputs(request, {"X": np.array([[value]], dtype=np.float32)})
+        try:
+            return decode_outputs(await mesh.v2.ModelInfer(request))["Y"]
+        except grpc.aio.AioRpcError as exc:
+            return exc
+
+    busy = [asyncio.create_task(call(1.0))]
+    await asyncio.sleep(0.05)
+    busy.append(asyncio.create_task(call(1.0)))
+    await asyncio.sleep(0.05)
+    answers = await asyncio.gather(*(call(value) for value in values))
+    for answer in await asyncio.gather(*busy):
+        assert isinstance(answer, np.ndarray)
+        np.testing.assert_allclose(answer, [[10.0]])
+    return list(answers)
+
+
+@pytest.fixture
+def checked_repo(tmp_path: Path) -> Path:
+    (tmp_path / "checked" / "1").mkdir(parents=True)
+    (tmp_path / "checked" / "1" / "model.py").write_text(CHECKED_MODEL)
+    (tmp_path / "checked" / "config.pbtxt").write_text(CHECKED_CONFIG)
+    ensemble(tmp_path, "checked_pipeline", CHECKED_PIPELINE)
+    return tmp_path
 
 
 def in_mesh(
@@ -42,7 +114,20 @@ def in_mesh(
     asyncio.run(run())
 
 
-def test_requests_that_wait_together_cross_to_the_stage_as_one_batch(checked_repo: Path) -> None:
+@pytest.mark.parametrize(
+    ("local_ensembles", "executions"),
+    [
+        # The first alone; the second, and the five that came while it waited, as
+        # at most three batches (the stage may run them as one: both are gathered).
+        (False, (2, 4)),
+        # The two alone, then the five that waited together, as one.
+        (True, (3, 3)),
+    ],
+    ids=["orchestrator", "colocated"],
+)
+def test_requests_that_wait_together_cross_the_step_as_one_batch(
+    checked_repo: Path, local_ensembles: bool, executions: tuple[int, int]
+) -> None:
     async def scenario(mesh: Mesh) -> None:
         values = [2.0, 3.0, 4.0, 5.0, 6.0]
         answers = await checked_waves(mesh, values)
@@ -51,20 +136,22 @@ def test_requests_that_wait_together_cross_to_the_stage_as_one_batch(checked_rep
             np.testing.assert_allclose(answer, [[value * 10]])  # its own row, not another's
         step = await stage_statistics(mesh.stages[0].address, "checked")
         assert step.inference_count == 7  # every row once
-        # The first alone; the second, and the five that came while it waited, as
-        # at most three batches (the stage may run them as one: both are gathered).
-        assert 2 <= step.execution_count <= 4
-        # No batch sat out the step's 3 s delay: each was gathered already.
+        assert executions[0] <= step.execution_count <= executions[1]
+        # No batch sat out the step's 3 s delay: each was gathered already (the
+        # second request waited ~0.1 s for the instance the first held).
         assert step.inference_stats.queue.ns < 1e9
         statistics = await mesh.v2.ModelStatistics(
             pb.ModelStatisticsRequest(name="checked_pipeline")
         )
         assert statistics.model_stats[0].inference_stats.success.count == 7  # one per caller
 
-    in_mesh(checked_repo, scenario)
+    in_mesh(checked_repo, scenario, local_ensembles)
 
 
-def test_a_request_that_spoils_its_batch_fails_alone(checked_repo: Path) -> None:
+@pytest.mark.parametrize("local_ensembles", [False, True], ids=["orchestrator", "colocated"])
+def test_a_request_that_spoils_its_batch_fails_alone(
+    checked_repo: Path, local_ensembles: bool
+) -> None:
     async def scenario(mesh: Mesh) -> None:
         good, bad, fine = await checked_waves(mesh, [2.0, -1.0, 3.0])
         assert isinstance(good, np.ndarray) and isinstance(fine, np.ndarray)
@@ -73,11 +160,14 @@ def test_a_request_that_spoils_its_batch_fails_alone(checked_repo: Path) -> None
         assert isinstance(bad, grpc.aio.AioRpcError)
         assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "X must not be negative" in (bad.details() or "")
+        step = await stage_statistics(mesh.stages[0].address, "checked")
+        # The batch of three failed once, then each ran alone; only the bad one failed.
+        assert step.inference_stats.fail.count == 2
         answer = (await checked_waves(mesh, [4.0]))[0]
         assert isinstance(answer, np.ndarray)  # and the mesh keeps serving
         np.testing.assert_allclose(answer, [[40.0]])
 
-    in_mesh(checked_repo, scenario)
+    in_mesh(checked_repo, scenario, local_ensembles)
 
 
 def test_a_callers_deadline_ends_its_own_wait_and_not_its_batch(checked_repo: Path) -> None:
