@@ -138,10 +138,7 @@ class LocalEnsemble:
             answer = await self._manager.get(step.model, step.version).infer(sub)
             return {name: WireTensor.of(array) for name, array in answer.outputs.items()}
 
-        inputs = {name: WireTensor.of(array) for name, array in request.inputs.items()}
-        produced = await self.plan.run(inputs, call, self._tracer)
-        wanted = request.requested_outputs or list(produced)
-        return InferResponse(outputs={name: produced[name].array(name) for name in wanted})
+        return await self.plan.run_arrays(request, call, self._tracer)
 
     async def close(self) -> None:
         """Finish the batches queued; the steps' models are the stage's to release."""

@@ -22,6 +22,7 @@ from opentelemetry import trace
 
 from inference import model_config_pb2 as mc
 from shared.errors import ConfigError, InvalidArgument, MeshError, error_for_status
+from shared.request import InferRequest, InferResponse
 from shared.tensors import config_datatype, datatype_of, decode_raw, encode_raw
 from shared.tracing import iterate_in_context
 
@@ -197,6 +198,16 @@ class EnsemblePlan:
         self._check_request(inputs)
         available = await self._execute(self.steps, dict(inputs), call, tracer)
         return {name: available[name] for name in self.io.outputs}
+
+    async def run_arrays(
+        self, request: InferRequest, call: StepCall, tracer: trace.Tracer
+    ) -> InferResponse:
+        """``run`` for a request of arrays: the outputs it asked for (all when it
+        named none), as arrays."""
+        inputs = {name: WireTensor.of(array) for name, array in request.inputs.items()}
+        produced = await self.run(inputs, call, tracer)
+        wanted = request.requested_outputs or list(produced)
+        return InferResponse(outputs={name: produced[name].array(name) for name in wanted})
 
     async def stream(
         self,

@@ -25,7 +25,8 @@ No gRPC here.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 from opentelemetry import trace
@@ -85,12 +86,9 @@ class EnsembleBatches:
     async def infer(self, request: InferRequest) -> InferResponse:
         """Queue ``request``; its rows of its batch's answer. A request that finds
         nothing else in flight runs at once: the queue's hand-off would only add time."""
-        if self._alone_now == 0 and self.batcher.in_flight == 0:
-            self._alone_now += 1
-            try:
+        if self.idle:
+            with self.alone():
                 return await self._run(request)
-            finally:
-                self._alone_now -= 1
         if self._traced:
             self._contexts[id(request)] = trace.set_span_in_context(trace.get_current_span())
         try:
@@ -98,6 +96,21 @@ class EnsembleBatches:
         finally:
             if self._traced:
                 del self._contexts[id(request)]
+
+    @property
+    def idle(self) -> bool:
+        """True when no request of the ensemble is in flight, queued or alone."""
+        return self._alone_now == 0 and self.batcher.in_flight == 0
+
+    @contextlib.contextmanager
+    def alone(self) -> Iterator[None]:
+        """Count a request that runs outside the queue (it found the ensemble idle),
+        so that the next one to come while it runs is queued."""
+        self._alone_now += 1
+        try:
+            yield
+        finally:
+            self._alone_now -= 1
 
     async def execute(self, requests: list[InferRequest]) -> list[InferResponse | Exception]:
         """One run for the batch; each request alone when that run fails on bad data."""

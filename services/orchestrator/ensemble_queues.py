@@ -69,8 +69,6 @@ class EnsembleQueues:
         self._queues: dict[str, _Queue] = {}
         self._retiring: set[asyncio.Task[None]] = set()
         """Replaced queues finishing what they hold."""
-        self._alone: dict[str, int] = {}
-        """By ensemble: requests running alone because none other was in flight."""
 
     async def infer(
         self,
@@ -91,12 +89,9 @@ class EnsembleQueues:
         queue = await self._queue(plan)
         if queue.batches is None:
             return await alone()
-        if self._alone.get(plan.name, 0) == 0 and queue.batches.batcher.in_flight == 0:
-            self._alone[plan.name] = self._alone.get(plan.name, 0) + 1
-            try:
+        if queue.batches.idle:
+            with queue.batches.alone():
                 return await alone()
-            finally:
-                self._alone[plan.name] -= 1
         try:
             domain = to_domain(request)
         except InvalidArgument as exc:
@@ -182,11 +177,9 @@ class EnsembleBatchRun:
             parameters["priority"] = pb.InferParameter(int64_param=request.priority)
         if request.timeout_us:
             parameters["timeout"] = pb.InferParameter(int64_param=request.timeout_us)
-        inputs = {name: WireTensor.of(array) for name, array in request.inputs.items()}
-        call = self._step_call(request.id, parameters)
-        produced = await self._plan.run(inputs, call, self._tracer)
-        wanted = request.requested_outputs or list(produced)
-        return InferResponse(outputs={name: produced[name].array(name) for name in wanted})
+        return await self._plan.run_arrays(
+            request, self._step_call(request.id, parameters), self._tracer
+        )
 
     def _step_call(self, request_id: str, parameters: dict[str, pb.InferParameter]) -> StepCall:
         async def call(step: Step, inputs: Outputs, outputs: list[str]) -> Outputs:
