@@ -14,7 +14,6 @@ service registers on this server as it does on grpc.aio's.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import inspect
 import logging
@@ -24,7 +23,7 @@ from typing import Any, NoReturn
 
 import grpc
 
-from shared.grpc_headers import grpc_message, grpc_timeout
+from shared.grpc_headers import call_metadata, grpc_message, grpc_timeout, metadata_block
 from shared.h2grpc.connection import ServerConnection
 from shared.h2grpc.stream import Compressed, ConnectionGone, MessageTooLarge, Stream
 from shared.hpack import literal
@@ -37,9 +36,6 @@ Resolve = Callable[[str, tuple[tuple[str, str | bytes], ...]], Awaitable[Any]]
 _HEADERS_OK = b"\x88" + literal(b"", b"application/grpc", name_index=31)
 """``:status 200`` (static entry 8) and ``content-type: application/grpc``."""
 _STATUS_OK = literal(b"grpc-status", b"0")
-_RESERVED = frozenset(
-    (b"content-type", b"te", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding")
-)
 _ENCODINGS = {b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}
 """grpc-encoding -> zlib's wbits for it (gzip: with its header; deflate: zlib's)."""
 
@@ -137,7 +133,7 @@ class CallContext:
         """The response's headers, now, with ``metadata``."""
         if self._headers_sent:
             raise grpc.aio.UsageError("initial metadata was already sent")
-        self._send_headers(_metadata_block(metadata))
+        self._send_headers(metadata_block(metadata))
 
     async def read(self) -> Any:
         """The next request message, or ``grpc.aio.EOF``."""
@@ -273,7 +269,7 @@ async def run_call(connection: ServerConnection, stream: Stream, resolve: Resolv
     """Serve the call on ``stream``: find its handler, run it, write its status."""
     fields = stream.fields
     path = fields.get(b":path", b"").decode("utf-8", "replace")
-    metadata = _metadata(stream.pairs)
+    metadata = call_metadata(stream.pairs)
     deadline = _deadline(fields.get(b"grpc-timeout"))
     context = CallContext(connection, stream, metadata, deadline)
     task = asyncio.current_task()
@@ -365,32 +361,6 @@ def _deadline(value: bytes | None) -> float | None:
     return asyncio.get_running_loop().time() + seconds
 
 
-def _metadata(pairs: list[tuple[bytes, bytes]]) -> tuple[tuple[str, str | bytes], ...]:
-    out: list[tuple[str, str | bytes]] = []
-    for name, value in pairs:
-        if name.startswith(b":") or name in _RESERVED:
-            continue
-        key = name.decode("ascii", "replace")
-        if key.endswith("-bin"):
-            out.append((key, base64.b64decode(value + b"=" * (-len(value) % 4))))
-        else:
-            out.append((key, value.decode("latin-1")))
-    return tuple(out)
-
-
-def _metadata_block(metadata: Sequence[tuple[str, str | bytes]]) -> bytes:
-    block = b""
-    for key, value in metadata:
-        name = key.lower().encode("ascii")
-        if name.endswith(b"-bin"):
-            raw = value if isinstance(value, bytes) else value.encode()
-            encoded = base64.b64encode(raw).rstrip(b"=")
-        else:
-            encoded = value.encode("latin-1") if isinstance(value, str) else value
-        block += literal(name, encoded)
-    return block
-
-
 def _status_block(
     code: grpc.StatusCode, details: str, trailing: Sequence[tuple[str, str | bytes]]
 ) -> bytes:
@@ -399,4 +369,4 @@ def _status_block(
     block = literal(b"grpc-status", str(code.value[0]).encode())
     if details:
         block += literal(b"grpc-message", grpc_message(details).encode("ascii"))
-    return block + _metadata_block(trailing)
+    return block + metadata_block(trailing)

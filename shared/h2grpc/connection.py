@@ -1,11 +1,14 @@
-"""One HTTP/2 connection, the server's side (RFC 9113), as the lean gRPC server
-needs it: streams opened by the client, gRPC messages cut from their DATA, flow
-control both ways, and the connection's own frames (SETTINGS, PING, GOAWAY).
+"""One HTTP/2 connection (RFC 9113), as the lean gRPC server and client need it:
+gRPC messages cut from DATA, flow control both ways, and the connection's own
+frames (SETTINGS, PING, GOAWAY).
 
-Each stream the client opens is handed to ``on_stream`` (the gRPC call layer,
-call.py) as soon as its headers are in; its request messages follow on
-``Stream.read``. Answers go out through ``write_headers`` and ``write_data``:
-what is written while one event-loop turn runs leaves in one ``send``.
+    Connection          what both sides do: frames in, frames out, windows;
+                        what is written while one event-loop turn runs leaves
+                        in one ``send``
+    ServerConnection    streams the client opens go to ``on_stream`` (the gRPC
+                        call layer, call.py) as soon as their headers are in;
+                        answers go out through ``write_headers`` and ``write_data``
+    (client.py)         ClientConnection, the side that opens streams
 
 No gRPC status codes here, and nothing about handlers.
 """
@@ -16,7 +19,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from shared.h2grpc import frames as f
 from shared.h2grpc.stream import HELD_LIMIT, ConnectionGone, Stream
@@ -40,27 +43,24 @@ MAX_PING_STRIKES = 2
 """Strikes allowed; the next one is answered GOAWAY ENHANCE_YOUR_CALM "too_many_pings"."""
 
 
-class ServerConnection(asyncio.Protocol):
-    """The server's side of one HTTP/2 connection."""
+class Connection(asyncio.Protocol):
+    """What both sides of an HTTP/2 connection do; the side that takes or opens
+    streams is a subclass (``_headers``, ``_went_away``)."""
 
-    _ACTIONS: ClassVar[dict[int, Callable[[ServerConnection, int, int, bytes], None]]]
+    _ACTIONS: ClassVar[dict[int, Callable[[Connection, int, int, bytes], None]]]
     """Frame type -> what to do with it (set below the class); DATA is _frame's own."""
 
-    def __init__(
-        self,
-        on_stream: Callable[[ServerConnection, Stream], None],
-        max_message_bytes: int,
-        on_closed: Callable[[ServerConnection], None],
-    ) -> None:
-        self._on_stream = on_stream
+    def __init__(self, max_message_bytes: int, on_closed: Callable[[Any], None]) -> None:
         self._on_closed = on_closed
         self.limit = max_message_bytes
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
-        self._preface = False
+        self._preface = True
+        """False while the client's preface is still to come (the server's side)."""
         self._decoder = HeaderDecoder()
         self.streams: dict[int, Stream] = {}
         self._last_stream = 0
+        """The last stream the peer opened (a GOAWAY names it)."""
         self._partial: tuple[int, int, bytearray] | None = None
         """A header block waiting for its CONTINUATION frames: (stream, flags, block)."""
         self._peer_window = f.DEFAULT_WINDOW
@@ -71,10 +71,6 @@ class ServerConnection(asyncio.Protocol):
         self._flush_handle: asyncio.Handle | None = None
         self._paused = False
         self._window_waiters: list[asyncio.Future[None]] = []
-        self._last_ping: float | None = None
-        self._strikes = 0
-        self.late_writes: set[asyncio.Task[None]] = set()
-        """Answers waiting on flow control (call.py), held until written."""
         self.going_away = False
         self.closed = False
         self.peer = ""
@@ -190,7 +186,10 @@ class ServerConnection(asyncio.Protocol):
 
     def _on_rst_stream(self, stream: int, flags: int, payload: bytes) -> None:
         if (known := self.streams.get(stream)) is not None:
-            self._drop(known)
+            self._reset_by_peer(known, int.from_bytes(payload[:4], "big"))
+
+    def _reset_by_peer(self, stream: Stream, code: int) -> None:
+        self._drop(stream)
 
     def _on_settings(self, stream: int, flags: int, payload: bytes) -> None:
         if not flags & f.ACK:
@@ -202,10 +201,14 @@ class ServerConnection(asyncio.Protocol):
 
     def _on_goaway(self, stream: int, flags: int, payload: bytes) -> None:
         self.going_away = True
+        self._went_away(int.from_bytes(payload[:4], "big") & f.LAST_STREAM_ID)
         self._close_when_idle()
 
+    def _went_away(self, last_stream: int) -> None:
+        """The peer sent GOAWAY: it takes no new streams, nor ours above ``last_stream``."""
+
     def _on_push_promise(self, stream: int, flags: int, payload: bytes) -> None:
-        raise _ProtocolError(f.PROTOCOL_ERROR, "a client may not push")
+        raise _ProtocolError(f.PROTOCOL_ERROR, "no push was asked for")
 
     def _on_data(self, stream_id: int, flags: int, payload: memoryview) -> None:
         self._received += len(payload)
@@ -250,36 +253,15 @@ class ServerConnection(asyncio.Protocol):
             pairs = self._decoder.decode_pairs(block)  # always, to keep the table in step
         except (ValueError, IndexError) as exc:
             raise _ProtocolError(f.PROTOCOL_ERROR, f"bad header block: {exc}") from exc
-        known = self.streams.get(stream_id)
-        if known is not None:  # trailers from the client: its side ends
-            known.remote_ended = True
-            known.wake()
-            return
-        if stream_id <= self._last_stream:
-            return  # a stream we already closed
-        if stream_id % 2 == 0:
-            raise _ProtocolError(f.PROTOCOL_ERROR, "a client stream id must be odd")
-        self._last_stream = stream_id
-        if self.going_away:
-            self._queue(f.rst_stream(stream_id, f.REFUSED_STREAM))
-            return
-        if len(block) > MAX_HEADER_BLOCK:
-            self._queue(f.rst_stream(stream_id, f.ENHANCE_YOUR_CALM))
-            return
-        stream = Stream(stream_id, self._peer_window)
-        stream.pairs = pairs
-        stream.fields = dict(pairs)
-        stream.remote_ended = bool(flags & f.END_STREAM)
-        self.streams[stream_id] = stream
-        self._on_stream(self, stream)
+        self._headers(stream_id, flags, len(block), pairs)
+
+    def _headers(
+        self, stream_id: int, flags: int, size: int, pairs: list[tuple[bytes, bytes]]
+    ) -> None:
+        """A whole header block (``size`` bytes encoded) arrived on ``stream_id``."""
+        raise NotImplementedError
 
     def _ping(self, payload: bytes) -> None:
-        now = asyncio.get_running_loop().time()
-        if self._last_ping is not None and now - self._last_ping < MIN_PING_INTERVAL_S:
-            self._strikes += 1
-            if self._strikes > MAX_PING_STRIKES:
-                raise _ProtocolError(f.ENHANCE_YOUR_CALM, "too_many_pings")
-        self._last_ping = now
         self._queue(f.frame(f.PING, f.ACK, 0, payload))
 
     def _settings(self, payload: bytes) -> None:
@@ -366,15 +348,6 @@ class ServerConnection(asyncio.Protocol):
             self._queue(f.rst_stream(stream.id, code))
         self._drop(stream, notify=False)
 
-    def go_away(self) -> None:
-        """Take no new streams; close once the open ones end."""
-        if self.going_away or self.closed:
-            return
-        self.going_away = True
-        self._queue(f.goaway(self._last_stream, f.NO_ERROR))
-        self._flush()
-        self._close_when_idle()
-
     def close(self) -> None:
         """Close now: every open stream is dropped."""
         if self._transport is not None and not self.closed:
@@ -402,8 +375,7 @@ class ServerConnection(asyncio.Protocol):
             self._transport.close()
 
     def _sent_answer(self) -> None:
-        """HEADERS or DATA went out: pings count afresh (as grpc's server counts them)."""
-        self._last_ping, self._strikes = None, 0
+        """HEADERS or DATA went out (the server's side counts pings afresh)."""
 
     def _queue(self, data: bytes) -> None:
         self._out.append(data)
@@ -426,7 +398,7 @@ class ServerConnection(asyncio.Protocol):
 
     def _fail(self, code: int, debug: bytes) -> None:
         log.info(
-            "closing an HTTP/2 connection from %s: %s", self.peer, debug.decode(errors="replace")
+            "closing an HTTP/2 connection with %s: %s", self.peer, debug.decode(errors="replace")
         )
         self._queue(f.goaway(self._last_stream, code, debug[:200]))
         self._flush()
@@ -434,15 +406,81 @@ class ServerConnection(asyncio.Protocol):
             self._transport.close()
 
 
-ServerConnection._ACTIONS = {
-    f.HEADERS: ServerConnection._on_headers,
-    f.CONTINUATION: ServerConnection._on_continuation,
-    f.RST_STREAM: ServerConnection._on_rst_stream,
-    f.SETTINGS: ServerConnection._on_settings,
-    f.PING: ServerConnection._on_ping,
-    f.WINDOW_UPDATE: ServerConnection._on_window_update,
-    f.GOAWAY: ServerConnection._on_goaway,
-    f.PUSH_PROMISE: ServerConnection._on_push_promise,
+class ServerConnection(Connection):
+    """The server's side of one HTTP/2 connection: the client opens the streams."""
+
+    def __init__(
+        self,
+        on_stream: Callable[[ServerConnection, Stream], None],
+        max_message_bytes: int,
+        on_closed: Callable[[ServerConnection], None],
+    ) -> None:
+        super().__init__(max_message_bytes, on_closed)
+        self._on_stream = on_stream
+        self._preface = False
+        self._last_ping: float | None = None
+        self._strikes = 0
+        self.late_writes: set[asyncio.Task[None]] = set()
+        """Answers waiting on flow control (call.py), held until written."""
+
+    def _headers(
+        self, stream_id: int, flags: int, size: int, pairs: list[tuple[bytes, bytes]]
+    ) -> None:
+        known = self.streams.get(stream_id)
+        if known is not None:  # trailers from the client: its side ends
+            known.remote_ended = True
+            known.wake()
+            return
+        if stream_id <= self._last_stream:
+            return  # a stream we already closed
+        if stream_id % 2 == 0:
+            raise _ProtocolError(f.PROTOCOL_ERROR, "a client stream id must be odd")
+        self._last_stream = stream_id
+        if self.going_away:
+            self._queue(f.rst_stream(stream_id, f.REFUSED_STREAM))
+            return
+        if size > MAX_HEADER_BLOCK:
+            self._queue(f.rst_stream(stream_id, f.ENHANCE_YOUR_CALM))
+            return
+        stream = Stream(stream_id, self._peer_window)
+        stream.pairs = pairs
+        stream.fields = dict(pairs)
+        stream.remote_ended = bool(flags & f.END_STREAM)
+        self.streams[stream_id] = stream
+        self._on_stream(self, stream)
+
+    def _ping(self, payload: bytes) -> None:
+        now = asyncio.get_running_loop().time()
+        if self._last_ping is not None and now - self._last_ping < MIN_PING_INTERVAL_S:
+            self._strikes += 1
+            if self._strikes > MAX_PING_STRIKES:
+                raise _ProtocolError(f.ENHANCE_YOUR_CALM, "too_many_pings")
+        self._last_ping = now
+        super()._ping(payload)
+
+    def go_away(self) -> None:
+        """Take no new streams; close once the open ones end."""
+        if self.going_away or self.closed:
+            return
+        self.going_away = True
+        self._queue(f.goaway(self._last_stream, f.NO_ERROR))
+        self._flush()
+        self._close_when_idle()
+
+    def _sent_answer(self) -> None:
+        """HEADERS or DATA went out: pings count afresh (as grpc's server counts them)."""
+        self._last_ping, self._strikes = None, 0
+
+
+Connection._ACTIONS = {
+    f.HEADERS: Connection._on_headers,
+    f.CONTINUATION: Connection._on_continuation,
+    f.RST_STREAM: Connection._on_rst_stream,
+    f.SETTINGS: Connection._on_settings,
+    f.PING: Connection._on_ping,
+    f.WINDOW_UPDATE: Connection._on_window_update,
+    f.GOAWAY: Connection._on_goaway,
+    f.PUSH_PROMISE: Connection._on_push_promise,
 }
 
 
