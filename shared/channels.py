@@ -2,7 +2,10 @@
 
 One HTTP/2 connection caps throughput under load, so callers keep a few
 channels per target and spread calls over them; each carries the trace
-context through the shared client interceptors.
+context through the shared client interceptors. The streams that carry
+forwarded requests (which bring their own trace context) go on channels of the
+event loop's own (``open_stream_channels``, shared/h2grpc/client.py) where the
+hop is cleartext.
 
 With mutual TLS configured (``shared.mtls``) every channel the process opens
 shows the process's certificate and checks the peer's. A process has one
@@ -17,6 +20,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
+from shared.h2grpc.client import LeanChannel
 from shared.interceptors import client_interceptors
 from shared.mtls import MeshTls
 
@@ -74,3 +78,14 @@ def open_channels(
         )
         for _ in range(count)
     ]
+
+
+def open_stream_channels(
+    target: str, count: int, max_message_bytes: int, tracer: trace.Tracer, lean: bool = True
+) -> list[grpc.aio.Channel | LeanChannel]:
+    """``count`` channels to ``target`` for stream calls on serialised messages
+    that carry their own trace context: ``LeanChannel`` on a cleartext hop (with
+    ``lean``), else grpc.aio's without the trace interceptors."""
+    if lean and mesh_tls() is None:
+        return [LeanChannel(target, max_message_bytes) for _ in range(count)]
+    return open_channels(target, count, max_message_bytes, tracer, traced=False)

@@ -122,11 +122,16 @@ def repeated_parts(number: int, values: Sequence[Sequence[bytes]]) -> bytes:
     """As ``repeated``, each message given as the pieces it is the concatenation
     of (a request and the fields set on it): a large request is copied once, into
     the message, rather than once more for each field appended."""
+    return b"".join(repeated_pieces(number, values))
+
+
+def repeated_pieces(number: int, values: Sequence[Sequence[bytes]]) -> list[bytes]:
+    """The pieces of ``repeated_parts``' message, in order, not yet joined."""
     tag = encode_varint(number << 3 | _LENGTH_DELIMITED)
     out: list[bytes] = []
     for pieces in values:
         out += (tag, encode_varint(sum(map(len, pieces))), *pieces)
-    return b"".join(out)
+    return out
 
 
 def infer_header(data: bytes) -> InferHeader:

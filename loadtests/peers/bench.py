@@ -74,14 +74,15 @@ from deploy.local.procfs import TICKS, descendants, tasks
 SERVERS = (
     *("mesh", "kserve", "torchserve", "fastapi"),
     *("mesh-log", "baseline", "mesh-door", "mesh-adapter", "mesh-grpc", "mesh-grpcio"),
-    "mesh-wire",
+    *("mesh-wire", "mesh-stage-grpcio"),
 )
 """mesh-log: the mesh with Envoy's access log on; baseline: the mesh of --baseline's tree;
 mesh-door / mesh-adapter: the mesh with REST served by the orchestrator itself / by the
 HTTP adapter process (http_front_door); mesh-grpc / mesh-wire: Envoy sends ModelInfer
 to the orchestrator's gRPC port (the default: pinned, for a baseline tree) / to its wire
 door over HTTP/1.1; mesh-grpcio: every gRPC port served by grpc.aio's server instead of
-the one on asyncio (shared/h2grpc/)."""
+the one on asyncio (shared/h2grpc/); mesh-stage-grpcio: the orchestrator's streams to
+the stages on grpc.aio's client instead of the one on asyncio (``stage_client``)."""
 MESH_LIKE = {
     "mesh-log": "mesh+log: ",
     "baseline": "baseline: ",
@@ -90,6 +91,7 @@ MESH_LIKE = {
     "mesh-grpc": "no wire: ",
     "mesh-grpcio": "grpcio: ",
     "mesh-wire": "wire door: ",
+    "mesh-stage-grpcio": "grpcio client: ",
 }
 VARIANTS: dict[str, dict[str, dict[str, object]]] = {
     "mesh-log": {"envoy": {"access_log": True}},
@@ -98,6 +100,7 @@ VARIANTS: dict[str, dict[str, dict[str, object]]] = {
     "mesh-grpc": {"orchestrator": {"wire_port": -1}},
     "mesh-grpcio": {"defaults": {"grpc_server": "grpcio"}},
     "mesh-wire": {"orchestrator": {"wire_port": 0}},
+    "mesh-stage-grpcio": {"orchestrator": {"stage_client": "grpcio"}},
 }
 """Each mesh variant's changes to the mesh YAML (a service's settings, or the supervisor's)."""
 CACHE = Path("~/.cache/meshserve").expanduser()

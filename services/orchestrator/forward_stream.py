@@ -39,6 +39,7 @@ import grpc
 from inference import grpc_service_pb2 as pb
 from shared.errors import MeshError, Unavailable
 from shared.forwarding import FORWARD_HEADER, FORWARD_UNARY, PACKED_METHOD
+from shared.h2grpc.client import LeanChannel, StreamCall
 from shared.rpc import failure
 from shared.servicer import stream_failure
 from shared.wireformat import (
@@ -46,7 +47,7 @@ from shared.wireformat import (
     id_field,
     infer_header,
     repeated_field,
-    repeated_parts,
+    repeated_pieces,
     stream_answer,
     string_parameters,
     with_id,
@@ -71,7 +72,7 @@ class ForwardStream:
     """One call carrying forwarded requests and their answers: ForwardingService's
     Forward (``packed``), or ModelStreamInfer."""
 
-    def __init__(self, channel: grpc.aio.Channel, *, packed: bool = False) -> None:
+    def __init__(self, channel: grpc.aio.Channel | LeanChannel, *, packed: bool = False) -> None:
         # No (de)serialisers: requests go out and answers come in as bytes.
         method = channel.stream_stream(PACKED_METHOD if packed else STREAM_METHOD)
         self._call = method(metadata=((FORWARD_HEADER, FORWARD_UNARY),))
@@ -153,7 +154,11 @@ class ForwardStream:
             try:
                 async with self._writing:
                     if self.packed:
-                        await self._call.write(repeated_parts(1, [pieces for _, pieces in batch]))
+                        message = repeated_pieces(1, [pieces for _, pieces in batch])
+                        if isinstance(self._call, StreamCall):  # joined as it goes out
+                            await self._call.write_parts(message)
+                        else:
+                            await self._call.write(b"".join(message))
                     else:
                         await self._call.write(b"".join(batch[0][1]))
             except grpc.aio.AioRpcError as exc:

@@ -10,6 +10,7 @@ import asyncio
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -62,6 +63,11 @@ class OrchestratorConfig(ServiceConfig):
     packed_forwarding: bool = True
     """Forwarded requests travel several to a message to a stage that serves
     meshserve.v1.ForwardingService (false: one to a message, as to other servers)."""
+    stage_client: Literal["asyncio", "grpcio"] = "asyncio"
+    """What carries the streams of forwarded requests to the stages: the project's
+    own HTTP/2 client on asyncio (shared/h2grpc/client.py), which costs a fraction
+    of grpcio's CPU per message, or grpcio's (grpc.aio); cleartext only, so with
+    mutual TLS grpcio's carries them."""
 
 
 def build_parts(config: OrchestratorConfig) -> ServiceParts:
@@ -83,6 +89,7 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
         refresh_interval_s=config.refresh_interval_s,
         spare_streams=config.spare_streams,
         packed_forwarding=config.packed_forwarding,
+        lean_streams=config.stage_client == "asyncio",
         discovery=Discovery(
             Resolver(config.hosts_file), config.resolve_interval_s, config.retire_grace_s
         ),

@@ -42,8 +42,9 @@ from inference import model_config_pb2 as mc
 from services.orchestrator.discovery import Resolver, is_address, split_target
 from services.orchestrator.forward_stream import ForwardStream, NotForwarding
 from services.orchestrator.stage_stream import StageStream
-from shared.channels import open_channels
+from shared.channels import open_channels, open_stream_channels
 from shared.errors import Cancelled, InvalidArgument, MeshError, NotFound, Unavailable
+from shared.h2grpc.client import LeanChannel
 from shared.rpc import remote
 from shared.tracing import client_span, current_carrier
 
@@ -95,9 +96,9 @@ class Endpoint:
     channels: list[grpc.aio.Channel]
     raw_calls: list[RawCall] = field(default_factory=list)
     """ModelInfer without (de)serialisers, one per channel: a request forwarded as it is."""
-    plain_channels: list[grpc.aio.Channel] = field(default_factory=list)
-    """Channels without the trace interceptors, for the streams of forwarded requests
-    (each request carries its own trace); they connect on first use."""
+    plain_channels: list[grpc.aio.Channel | LeanChannel] = field(default_factory=list)
+    """Channels for the streams of forwarded requests (each request carries its own
+    trace; shared.channels.open_stream_channels); they connect on first use."""
     forward_streams: dict[int, ForwardStream] = field(default_factory=dict)
     """Channel index -> its stream carrying forwarded requests (forward_stream.py)."""
     retiring_streams: set[ForwardStream] = field(default_factory=set)
@@ -215,15 +216,20 @@ class Endpoint:
 
 
 def open_endpoint(
-    address: StageAddress, channels: int, max_message_bytes: int, tracer: trace.Tracer
+    address: StageAddress,
+    channels: int,
+    max_message_bytes: int,
+    tracer: trace.Tracer,
+    lean_streams: bool = True,
 ) -> Endpoint:
-    """Open ``channels`` HTTP/2 connections to one replica."""
+    """Open ``channels`` HTTP/2 connections to one replica (and as many for its
+    streams of forwarded requests, on asyncio's sockets with ``lean_streams``)."""
     opened = open_channels(address.target, channels, max_message_bytes, tracer)
     # The stub's type follows its channel's, which grpc leaves untyped: say it.
     stubs = [cast("Stub", pb_grpc.GRPCInferenceServiceStub(c)) for c in opened]
     # No serialisers: the bytes go out and come back as they are.
     raw_calls = [c.unary_unary(INFER_METHOD) for c in opened]
-    plain = open_channels(address.target, channels, max_message_bytes, tracer, traced=False)
+    plain = open_stream_channels(address.target, channels, max_message_bytes, tracer, lean_streams)
     endpoint = Endpoint(address, stubs, opened, raw_calls, plain)
     endpoint._next = itertools.cycle(range(channels))
     return endpoint
@@ -254,11 +260,12 @@ class StageRouter:
         spare_streams: int = 0,
         discovery: Discovery | None = None,
         packed_forwarding: bool = True,
+        lean_streams: bool = True,
     ) -> None:
         self.addresses = list(addresses)
         self._spare_streams = spare_streams
         self._packs = packed_forwarding
-        self._channel_settings = (channels_per_endpoint, max_message_bytes, tracer)
+        self._channel_settings = (channels_per_endpoint, max_message_bytes, tracer, lean_streams)
         self._tracer = tracer
         # Channels are opened in start(): grpc.aio binds them to the running loop.
         self.endpoints: list[Endpoint] = []

@@ -25,7 +25,14 @@ import grpc
 
 from shared.grpc_headers import call_metadata, grpc_message, grpc_timeout, metadata_block
 from shared.h2grpc.connection import ServerConnection
-from shared.h2grpc.stream import Compressed, ConnectionGone, MessageTooLarge, Stream
+from shared.h2grpc.stream import (
+    MESSAGE_HEAD,
+    Compressed,
+    ConnectionGone,
+    MessageTooLarge,
+    Stream,
+    message_prefix,
+)
 from shared.hpack import literal
 
 log = logging.getLogger(__name__)
@@ -145,7 +152,11 @@ class CallContext:
         data = self.encoded(message)
         if not self._headers_sent:
             self._send_headers(b"")
-        await self._connection.write_data(self._stream, _framed(data))
+        connection, stream, size = self._connection, self._stream, len(data) + MESSAGE_HEAD
+        if connection.fits(stream, size):  # no copy of the message until the send
+            connection.write_parts_now(stream, (message_prefix(len(data)), data), size)
+        else:
+            await connection.write_data(stream, message_prefix(len(data)) + data)
 
     def set_compression(self, compression: Any) -> None:
         """Nothing: answers go uncompressed."""
@@ -238,18 +249,17 @@ class CallContext:
             callback(self)
 
     def _finish_with(self, answer: bytes, trailers: bytes) -> None:
-        connection, stream = self._connection, self._stream
-        framed = _framed(answer)
+        connection, stream, size = self._connection, self._stream, len(answer) + MESSAGE_HEAD
         if not self._headers_sent:
             self._send_headers(b"")
-        if connection.fits(stream, len(framed)):
-            connection.write_data_now(stream, framed)
+        if connection.fits(stream, size):
+            connection.write_parts_now(stream, (message_prefix(len(answer)), answer), size)
             connection.write_headers(stream, trailers, end_stream=True)
             return
 
         async def later() -> None:  # flow control holds the answer back
             with contextlib.suppress(ConnectionGone):
-                await connection.write_data(stream, framed)
+                await connection.write_data(stream, message_prefix(len(answer)) + answer)
                 connection.write_headers(stream, trailers, end_stream=True)
 
         task = asyncio.get_running_loop().create_task(later())
@@ -347,10 +357,6 @@ def _unexpected(context: CallContext, path: str) -> None:
     log.exception("unexpected error in %s", path)
     context.set_code(grpc.StatusCode.UNKNOWN)
     context.set_details("Unexpected error")
-
-
-def _framed(message: bytes) -> bytes:
-    return b"\x00" + len(message).to_bytes(4, "big") + message
 
 
 def _deadline(value: bytes | None) -> float | None:

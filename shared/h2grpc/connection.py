@@ -18,14 +18,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Callable
-from typing import Any, ClassVar
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TypeAlias
 
 from shared.h2grpc import frames as f
 from shared.h2grpc.stream import HELD_LIMIT, ConnectionGone, Stream
 from shared.hpack import HeaderDecoder
 
 log = logging.getLogger(__name__)
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
 
 RECEIVE_WINDOW = 1 << 22
 """What each stream may send us ahead of our reading it (4 MiB)."""
@@ -67,7 +69,7 @@ class Connection(asyncio.Protocol):
         self._send_window = f.DEFAULT_WINDOW
         self._max_frame = f.DEFAULT_MAX_FRAME
         self._received = 0
-        self._out: list[bytes] = []
+        self._out: list[Buffer] = []
         self._flush_handle: asyncio.Handle | None = None
         self._paused = False
         self._window_waiters: list[asyncio.Future[None]] = []
@@ -309,20 +311,28 @@ class Connection(asyncio.Protocol):
         """Whether ``size`` bytes of DATA can go now without waiting for the client."""
         return not self._paused and size <= self._send_window and size <= stream.send_window
 
-    def write_data_now(self, stream: Stream, data: bytes) -> None:
-        """DATA that ``fits``, in frames of the client's largest size."""
+    def write_parts_now(self, stream: Stream, parts: Sequence[Buffer], size: int) -> None:
+        """DATA that ``fits``, made of ``parts`` (``size`` bytes in all), in frames of
+        the peer's largest size. The parts are queued as they are, so a large message
+        is copied once, into the send, however many frames and pieces it spans."""
         if stream.reset or self.closed:
             return
         self._sent_answer()
-        self._send_window -= len(data)
-        stream.send_window -= len(data)
-        largest = self._max_frame
-        if len(data) <= largest:
-            self._queue(f.frame(f.DATA, 0, stream.id, data))
-            return
-        view = memoryview(data)
-        for start in range(0, len(data), largest):
-            self._queue(f.frame(f.DATA, 0, stream.id, bytes(view[start : start + largest])))
+        self._send_window -= size
+        stream.send_window -= size
+        out, room, largest = self._out, 0, self._max_frame
+        for part in parts:
+            view = memoryview(part)
+            while view:
+                if not room:
+                    room = min(largest, size)
+                    size -= room
+                    out.append(f.frame_head(f.DATA, 0, stream.id, room))
+                piece, view = view[:room], view[room:]
+                out.append(piece)
+                room -= len(piece)
+        if self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
 
     async def write_data(self, stream: Stream, data: bytes) -> None:
         """DATA on ``stream``, as the windows let it go; waits for WINDOW_UPDATEs."""
@@ -337,10 +347,7 @@ class Connection(asyncio.Protocol):
                 await waiter
                 continue
             piece, view = view[:room], view[room:]
-            self._sent_answer()
-            self._send_window -= len(piece)
-            stream.send_window -= len(piece)
-            self._queue(f.frame(f.DATA, 0, stream.id, bytes(piece)))
+            self.write_parts_now(stream, (piece,), len(piece))
 
     def reset_stream(self, stream: Stream, code: int) -> None:
         """End ``stream`` abruptly (the client sees RST_STREAM)."""
@@ -377,7 +384,7 @@ class Connection(asyncio.Protocol):
     def _sent_answer(self) -> None:
         """HEADERS or DATA went out (the server's side counts pings afresh)."""
 
-    def _queue(self, data: bytes) -> None:
+    def _queue(self, data: Buffer) -> None:
         self._out.append(data)
         if self._flush_handle is None:
             self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)

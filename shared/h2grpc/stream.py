@@ -15,6 +15,11 @@ MESSAGE_HEAD = 5
 """A gRPC message's prefix: a compressed flag and a 4-byte length."""
 
 
+def message_prefix(size: int) -> bytes:
+    """The prefix of an uncompressed gRPC message of ``size`` bytes."""
+    return b"\x00" + size.to_bytes(4, "big")
+
+
 class ConnectionGone(ConnectionError):
     """The connection closed while a write waited."""
 
