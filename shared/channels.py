@@ -86,6 +86,13 @@ def open_stream_channels(
     """``count`` channels to ``target`` for stream calls on serialised messages
     that carry their own trace context: ``LeanChannel`` on a cleartext hop (with
     ``lean``), else grpc.aio's without the trace interceptors."""
-    if lean and mesh_tls() is None:
+    if lean and mesh_tls() is None and _host_and_port(target):
         return [LeanChannel(target, max_message_bytes) for _ in range(count)]
     return open_channels(target, count, max_message_bytes, tracer, traced=False)
+
+
+def _host_and_port(target: str) -> bool:
+    """Whether ``target`` is a plain ``host:port`` (a gRPC URI such as
+    ``dns:///name:port`` or ``unix:path`` stays with grpc's resolvers)."""
+    host, _, port = target.rpartition(":")
+    return bool(host) and "/" not in host and port.isdigit()

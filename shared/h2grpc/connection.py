@@ -7,7 +7,9 @@ frames (SETTINGS, PING, GOAWAY).
                         in one ``send``
     ServerConnection    streams the client opens go to ``on_stream`` (the gRPC
                         call layer, call.py) as soon as their headers are in;
-                        answers go out through ``write_headers`` and ``write_data``
+                        answers go out through ``write_headers`` and
+                        ``write_parts_now`` (or ``write_data``, which waits for
+                        the windows)
     (client.py)         ClientConnection, the side that opens streams
 
 No gRPC status codes here, and nothing about handlers.
