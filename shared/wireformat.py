@@ -115,18 +115,13 @@ def repeated_field(data: bytes, number: int) -> list[bytes]:
 
 def repeated(number: int, values: Sequence[bytes]) -> bytes:
     """``values`` (serialised messages) as the repeated field ``number`` of a message."""
-    return repeated_parts(number, [(value,) for value in values])
-
-
-def repeated_parts(number: int, values: Sequence[Sequence[bytes]]) -> bytes:
-    """As ``repeated``, each message given as the pieces it is the concatenation
-    of (a request and the fields set on it): a large request is copied once, into
-    the message, rather than once more for each field appended."""
-    return b"".join(repeated_pieces(number, values))
+    return b"".join(repeated_pieces(number, [(value,) for value in values]))
 
 
 def repeated_pieces(number: int, values: Sequence[Sequence[bytes]]) -> list[bytes]:
-    """The pieces of ``repeated_parts``' message, in order, not yet joined."""
+    """As ``repeated``, each message given as the pieces it is the concatenation
+    of (a request and the fields set on it), and the message as its pieces, in
+    order, to be joined as it is written: a large request is then copied once."""
     tag = encode_varint(number << 3 | _LENGTH_DELIMITED)
     out: list[bytes] = []
     for pieces in values:
