@@ -61,6 +61,7 @@ from common import (
 
 from deploy.local.procfs import TICKS
 from inference import grpc_service_pb2 as pb
+from shared.ports import free_port
 from shared.tensors import encode_inputs
 
 TORCH_MODULES = (
@@ -192,13 +193,7 @@ def torch_only(folder: Path) -> Path:
 @contextmanager
 def kserve_door(repository: Path, folder: Path) -> Iterator[Door]:
     """KServe's server with the same model; stopped by PID on exit."""
-    import socket
-
-    ports = []
-    for _ in range(2):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            ports.append(sock.getsockname()[1])
+    ports = [free_port(), free_port()]
     command = [str(KSERVE_PYTHON), str(Path(__file__).with_name("kserve_mlp.py"))]
     command += [str(repository / "mlp" / "1" / "model.pt"), str(torch_only(folder / "torch"))]
     command += ["--grpc_port", str(ports[0]), "--http_port", str(ports[1])]

@@ -68,7 +68,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -96,6 +95,7 @@ from common import (
 from meshserve.v1 import meshserve_pb2 as api
 from meshserve.v1 import meshserve_pb2_grpc as api_grpc
 from shared.backend import ModelSpec, config_parameters
+from shared.ports import free_port
 from shared.repository import parse_config
 
 ENGINE_MODEL = "smollm2"
@@ -447,13 +447,6 @@ def engine_flags(repository: Path) -> tuple[list[str], dict[str, str]]:
     if args.kv_cache_memory_bytes:
         flags += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     return flags, {}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @contextlib.contextmanager

@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.local.service_process import ProcessSpec
+from shared.ports import free_port
 
 REDIS_BINARY = "redis-server"
 DEFAULT_WORKERS = 1
@@ -114,14 +114,6 @@ def redis_command(port: int, directory: Path) -> list[str]:
         "--daemonize", "no",
         "--loglevel", "warning",
     ]  # fmt: skip
-
-
-def free_port() -> int:
-    """A port that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def _answers(port: int, timeout_s: float) -> bool:

@@ -32,7 +32,6 @@ import contextlib
 import itertools
 import json
 import signal
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +58,7 @@ from deploy.local.torchserve_edge import torchserve_edge
 from deploy.local.trace_store import TracePlan, plan_traces, route_edge
 from deploy.local.wire import open_wire, wire_listeners
 from shared.engine_cores import ENGINE_CORES_ENV, engine_cores, format_cores
+from shared.ports import free_port
 
 MESH_READY_MARKER = "MESHSERVE_MESH_READY"
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "mesh.yaml"
@@ -68,14 +68,6 @@ PLACEMENT_FULL_PASS_LOOKS = 5
 """Every this many looks, a full pass finds new processes and threads."""
 REPLICA_PORT_STEP = 100
 """Replica i of a stage listens on its ports + i * this (mesh.yaml's ``replica_port_step``)."""
-
-
-def free_port() -> int:
-    """A port that was free a moment ago (for --ports auto)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class FreshPorts:

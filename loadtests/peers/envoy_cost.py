@@ -55,12 +55,12 @@ from common import (
 )
 from peers import report, servers
 from peers.model import MODEL, mesh_repository, write_torchscript
-from peers.torchserve import free_port
 from peers.ways import GRPC_CONNECTIONS, grpc_payload, rest_binary
 
 from deploy.local.procfs import TICKS
 from gateway.envoy.config import build_config
 from gateway.envoy.main import EdgeConfig, settings_from
+from shared.ports import free_port
 
 Bootstrap = dict[str, Any]
 

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import yaml
 from common import MESH_READY_MARKER, ROOT, _mesh_info, _stop_mesh
-from peers.torchserve import free_port, stop_tree, tree
+from peers.torchserve import stop_tree, tree
 
 from deploy.local.procfs import start_ticks
+from shared.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 

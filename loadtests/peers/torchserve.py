@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from deploy.local.procfs import child_pids
+from shared.ports import free_port
 
 JRE_HINT = "no java here: apt-get install openjdk-17-jre-headless"
 
@@ -30,14 +30,6 @@ JRE_HINT = "no java here: apt-get install openjdk-17-jre-headless"
 def java_missing() -> str | None:
     """Why TorchServe cannot start here, or None."""
     return None if shutil.which("java") else JRE_HINT
-
-
-def free_port() -> int:
-    """A port that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def tree(pid: int) -> list[int]:

@@ -15,7 +15,6 @@ import concurrent.futures
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ import openai
 import pytest
 from prometheus_client import generate_latest
 
+from shared.ports import free_port
 from tests.harness import ROOT, ServiceProcess, run_client
 from tests.in_process import MeshThread
 from tests.integration.test_routes import write_repository
@@ -120,14 +120,6 @@ def doors(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Doors]:
         for process in processes:
             process.stop()
         mesh.close()
-
-
-def free_port() -> int:
-    """A port nothing listens on now (the adapter's, so Envoy can start beside it)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def curl(*args: str) -> tuple[dict[str, str], Any]:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from shared.ports import free_port_run
 from tests.harness import ROOT, RUNNING, log_tail, new_log
 from tests.integration.test_supervisor import processes_mentioning
 
@@ -123,30 +124,10 @@ def start(
     return proc, log
 
 
-def free_ports(count: int) -> int:
-    """The first of ``count`` consecutive ports that are free now."""
-    for _ in range(100):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            first: int = sock.getsockname()[1]
-        if first + count < 65536 and all(_free(first + i) for i in range(count)):
-            return first
-    raise RuntimeError("no run of free ports")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def test_colliding_replica_ports_are_refused_before_anything_starts(
     tmp_path: Path, supervisor: list[subprocess.Popen[str]]
 ) -> None:
-    base = free_ports(4)
+    base = free_port_run(4)
     config = tmp_path / "mesh.yaml"
     config.write_text(f"""
 defaults: {{ host: 127.0.0.1 }}
