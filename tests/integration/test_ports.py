@@ -15,11 +15,11 @@ def _ephemeral_low() -> int:
 
 
 def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
+    """Whether a server can listen on the port now."""
+    try:
+        socket.create_server(("127.0.0.1", port)).close()
+    except OSError:
+        return False
     return True
 
 
