@@ -21,7 +21,7 @@ from opentelemetry import trace
 
 from inference import model_config_pb2 as mc
 from services.orchestrator.ensemble import EnsemblePlan, ModelIO, Step, WireTensor
-from services.orchestrator.ensemble_batches import EnsembleBatches, ensemble_policy
+from services.orchestrator.ensemble_batches import EnsembleBatches, ensemble_policy, lane_count
 from shared.backend import BackendInstance, InstanceSpec, LoopModel, ModelSpec, is_decoupled
 from shared.errors import ConfigError, FailedPrecondition, MeshError, Unavailable
 from shared.manager import ModelManager
@@ -101,7 +101,7 @@ class LocalEnsemble:
     async def start_batching(self) -> None:
         """Batch the ensemble's requests when it and every step have a batch dimension."""
         steps = [self._manager.get(step.model, step.version) for step in self.plan.steps]
-        lanes = max(1, *(len(step.instances) for step in steps))
+        lanes = lane_count(max((len(step.instances) for step in steps), default=1))
         policy = ensemble_policy(self.plan.config, [step.spec.config for step in steps], lanes)
         if policy is None:
             return

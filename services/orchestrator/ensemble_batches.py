@@ -43,6 +43,15 @@ RunOne = Callable[[InferRequest], Awaitable[InferResponse]]
 """Runs one (possibly stacked) request through the graph."""
 
 
+def lane_count(widest: int) -> int:
+    """Batches an ensemble runs at a time, given the instances of its widest step:
+    one per instance and one more, so that while every instance of that step
+    runs a batch, another batch crosses the other steps (and, where they are
+    other processes, the hops) instead of leaving an instance idle when its
+    batch is done (docs/performance.md has the measurements)."""
+    return max(1, widest) + 1
+
+
 def ensemble_policy(
     ensemble: mc.ModelConfig, steps: Sequence[mc.ModelConfig], lanes: int
 ) -> BatchPolicy | None:

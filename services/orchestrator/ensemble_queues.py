@@ -31,7 +31,7 @@ from opentelemetry import trace
 from inference import grpc_service_pb2 as pb
 from inference import model_config_pb2 as mc
 from services.orchestrator.ensemble import EnsemblePlan, Step, StepCall, WireTensor
-from services.orchestrator.ensemble_batches import EnsembleBatches, ensemble_policy
+from services.orchestrator.ensemble_batches import EnsembleBatches, ensemble_policy, lane_count
 from services.orchestrator.ensembles import EnsembleRegistry
 from services.orchestrator.router import StageRouter
 from services.orchestrator.step_wire import answer_tensors, request_bytes
@@ -138,7 +138,7 @@ class EnsembleQueues:
             ),
             default=1,
         )
-        return widest + 1
+        return lane_count(widest)
 
     def _runner(self, plan: EnsemblePlan) -> EnsembleBatchRun:
         return EnsembleBatchRun(plan, self._router, self._tracer)

@@ -114,19 +114,9 @@ def in_mesh(
     asyncio.run(run())
 
 
-@pytest.mark.parametrize(
-    ("local_ensembles", "executions"),
-    [
-        # The first alone; the second, and the five that came while it waited, as
-        # at most three batches (the stage may run them as one: both are gathered).
-        (False, (2, 4)),
-        # The two alone, then the five that waited together, as one.
-        (True, (3, 3)),
-    ],
-    ids=["orchestrator", "colocated"],
-)
+@pytest.mark.parametrize("local_ensembles", [False, True], ids=["orchestrator", "colocated"])
 def test_requests_that_wait_together_cross_the_step_as_one_batch(
-    checked_repo: Path, local_ensembles: bool, executions: tuple[int, int]
+    checked_repo: Path, local_ensembles: bool
 ) -> None:
     async def scenario(mesh: Mesh) -> None:
         values = [2.0, 3.0, 4.0, 5.0, 6.0]
@@ -136,7 +126,10 @@ def test_requests_that_wait_together_cross_the_step_as_one_batch(
             np.testing.assert_allclose(answer, [[value * 10]])  # its own row, not another's
         step = await stage_statistics(mesh.stages[0].address, "checked")
         assert step.inference_count == 7  # every row once
-        assert executions[0] <= step.execution_count <= executions[1]
+        # The first alone; the second (in the queue's other lane), and the five that
+        # came while it waited, as at most three batches (the step may run them as
+        # one: all are gathered).
+        assert 2 <= step.execution_count <= 4
         # No batch sat out the step's 3 s delay: each was gathered already (the
         # second request waited ~0.1 s for the instance the first held).
         assert step.inference_stats.queue.ns < 1e9
