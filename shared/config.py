@@ -24,6 +24,10 @@ from shared.errors import ConfigError
 ENV_PREFIX = "MESHSERVE_"
 
 
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""The largest gRPC message a service sends or receives unless configured otherwise."""
+
+
 class ServiceConfig(BaseModel):
     """What every service process needs: where to listen and how to behave."""
 
@@ -45,7 +49,7 @@ class ServiceConfig(BaseModel):
     """What serves the gRPC port: grpcio's server (grpc.aio), or the project's own on
     asyncio (shared/h2grpc/), which costs a fraction of the CPU per call; cleartext
     only, so with mutual TLS grpcio's serves."""
-    max_message_bytes: int = Field(64 * 1024 * 1024, ge=4 * 1024 * 1024, le=2**31 - 1)
+    max_message_bytes: int = Field(MAX_MESSAGE_BYTES, ge=4 * 1024 * 1024, le=2**31 - 1)
     """Largest gRPC message sent or received."""
     grace_period_s: float = Field(10.0, ge=0.0, le=600.0)
     """On SIGTERM, how long in-flight RPCs may run before they are cancelled."""

@@ -6,7 +6,8 @@ side: services/orchestrator/forward_stream.py). Two streams carry them:
 
 - ``meshserve.v1.ForwardingService/Forward`` (protos/meshserve/v1/forwarding.proto):
   as many requests to a message as were waiting when it was written, and as
-  many answers to a message back as were ready. Under load one message on an
+  many answers to a message back as were ready, each side splitting what would
+  make a message over its largest into several. Under load one message on an
   HTTP/2 stream costs each side about what a small model's request costs, so
   a pack of them costs little more than one; a lone request is a message alone,
   written at once.
@@ -33,7 +34,7 @@ from inference import grpc_service_pb2 as pb
 from meshserve.v1 import forwarding_pb2
 from shared.errors import InvalidArgument, MeshError
 from shared.stream_tasks import StreamTasks
-from shared.wireformat import infer_header, repeated, repeated_field
+from shared.wireformat import encode_varint, infer_header, repeated, repeated_field
 
 FORWARD_HEADER = "x-meshserve-forward"
 """Metadata of a stream that forwards unary requests (the orchestrator's): each
@@ -105,14 +106,22 @@ def write_answers(answers: list[pb.ModelStreamInferResponse]) -> bytes:
     return repeated(_ANSWERS, [answer.SerializeToString() for answer in answers])
 
 
+def packed_size(size: int) -> int:
+    """The bytes a serialised message of ``size`` takes as one entry of a pack (a
+    ForwardRequest's or ForwardResponse's repeated field 1: its tag and length)."""
+    return 1 + len(encode_varint(size)) + size
+
+
 class AnswerPacker:
     """Writes answers on a Forward stream: at once when no write is under way
     (after the other requests ready to run, when ``busy``), else with the others
-    that are ready when it ends, in one message."""
+    that are ready when it ends, as few messages as ``limit`` (the largest
+    message, in bytes) allows."""
 
-    def __init__(self, context: Any, busy: Callable[[], bool]) -> None:
+    def __init__(self, context: Any, busy: Callable[[], bool], limit: int) -> None:
         self._context = context
         self._busy = busy
+        self._limit = limit
         self._ready: list[pb.ModelStreamInferResponse] = []
         self._writing = False
 
@@ -129,10 +138,21 @@ class AnswerPacker:
                 # into this message (a lone request's answer goes at once).
                 await asyncio.sleep(0)
             while self._ready:
-                answers, self._ready = self._ready, []
-                await self._context.write(answers)
+                await self._context.write(self._next_message())
         finally:
             self._writing = False
+
+    def _next_message(self) -> list[pb.ModelStreamInferResponse]:
+        """The ready answers that fit in one message, oldest first (at least one:
+        each fits alone)."""
+        total, count = 0, 0
+        for answer in self._ready:
+            total += packed_size(answer.ByteSize())
+            if count and total > self._limit:
+                break
+            count += 1
+        answers, self._ready = self._ready[:count], self._ready[count:]
+        return answers
 
 
 def one_at_a_time(context: Any) -> Callable[[pb.ModelStreamInferResponse], Awaitable[None]]:
@@ -148,15 +168,19 @@ def one_at_a_time(context: Any) -> Callable[[pb.ModelStreamInferResponse], Await
 
 
 async def serve_forwarded(
-    answer: Answer, messages: AsyncIterator[Any], context: Any, *, packed: bool
+    answer: Answer, messages: AsyncIterator[Any], context: Any, *, packed: bool, limit: int
 ) -> None:
     """Answer every request of a forwarding stream (``messages``: Packs when
-    ``packed``, else requests), concurrently, each answer written once ready.
-    When the caller goes away, this is cancelled and so is every request still
-    running."""
+    ``packed``, else requests), concurrently, each answer written once ready, no
+    message over ``limit`` bytes. When the caller goes away, this is cancelled and
+    so is every request still running."""
     await context.send_initial_metadata(((FORWARD_HEADER, FORWARD_UNARY),))
     tasks = StreamTasks()
-    send = AnswerPacker(context, lambda: len(tasks) > 1).send if packed else one_at_a_time(context)
+    send: Callable[[pb.ModelStreamInferResponse], Awaitable[None]] = (
+        AnswerPacker(context, lambda: len(tasks) > 1, limit).send
+        if packed
+        else one_at_a_time(context)
+    )
 
     async def one(request: pb.ModelInferRequest, refused: MeshError | None) -> None:
         await send(await answer(request, context, refused))
@@ -174,11 +198,12 @@ async def serve_forwarded(
         await tasks.cancel()
 
 
-def add_forwarding(answer: Answer, server: grpc.aio.Server) -> None:
-    """Serve ``ForwardingService/Forward`` on ``server``, each request answered by ``answer``."""
+def add_forwarding(answer: Answer, server: grpc.aio.Server, limit: int) -> None:
+    """Serve ``ForwardingService/Forward`` on ``server``, each request answered by
+    ``answer``, no message of answers over ``limit`` bytes (the server's own)."""
 
     async def forward(packs: AsyncIterator[Pack], context: Any) -> None:
-        await serve_forwarded(answer, packs, context, packed=True)
+        await serve_forwarded(answer, packs, context, packed=True, limit=limit)
 
     handlers = {
         "Forward": grpc.stream_stream_rpc_method_handler(

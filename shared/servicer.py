@@ -20,10 +20,12 @@ from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from inference import model_config_pb2 as mc
 from shared.classification import Classification, classification
+from shared.config import MAX_MESSAGE_BYTES
 from shared.errors import (
     GENERIC_INTERNAL_MESSAGE,
     InvalidArgument,
     MeshError,
+    Overloaded,
     Unimplemented,
     error_for_status,
 )
@@ -32,6 +34,7 @@ from shared.forwarding import (
     FORWARD_UNARY,
     add_forwarding,
     one_at_a_time,
+    packed_size,
     serve_forwarded,
 )
 from shared.manager import ModelManager
@@ -142,6 +145,19 @@ def stream_error(request: pb.ModelInferRequest, error: MeshError) -> pb.ModelStr
     return pb.ModelStreamInferResponse(error_message=error.message, infer_response=answer)
 
 
+def fitting(answer: pb.ModelStreamInferResponse, limit: int) -> pb.ModelStreamInferResponse:
+    """``answer``, or its request's error when the answer alone would make a message
+    over ``limit`` bytes, as a unary call's answer that size fails RESOURCE_EXHAUSTED."""
+    size = answer.ByteSize()
+    if packed_size(size) <= limit:
+        return answer
+    head = answer.infer_response
+    request = pb.ModelInferRequest(
+        model_name=head.model_name, model_version=head.model_version, id=head.id
+    )
+    return stream_error(request, Overloaded(f"Sent message larger than max ({size} vs. {limit})"))
+
+
 def is_final(response: pb.ModelInferResponse) -> bool:
     """True on the last response of a decoupled request (``triton_final_response``)."""
     param = response.parameters.get(FINAL_RESPONSE)
@@ -218,9 +234,11 @@ def stats_to_proto(name: str, version: int, stats: ModelStats) -> pb.ModelStatis
 
 
 class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
-    """The RPCs every v2 server in the mesh answers the same way."""
+    """The RPCs every v2 server in the mesh answers the same way; ``max_message_bytes``:
+    the largest message its server sends."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        self.max_message_bytes = max_message_bytes
         self._log_settings: dict[str, Any] = {
             "log_info": True,
             "log_warning": True,
@@ -260,7 +278,13 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
         # request still running, which stops the generation behind a decoupled model.
         # A stream of forwarded unary requests: shared/forwarding.py.
         if _forwarded_stream(context):
-            await serve_forwarded(self.answer_forwarded, request_iterator, context, packed=False)
+            await serve_forwarded(
+                self.answer_forwarded,
+                request_iterator,
+                context,
+                packed=False,
+                limit=self.max_message_bytes,
+            )
             return
         send = one_at_a_time(context)
         tasks = StreamTasks()
@@ -292,15 +316,16 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
         refused: MeshError | None = None,
     ) -> pb.ModelStreamInferResponse:
         """A forwarded request's message: ModelInfer's one answer, or its error
-        (``refused``: the error it already has), without the generator and its
-        closing that a decoupled model's responses need."""
+        (``refused``: the error it already has; RESOURCE_EXHAUSTED for an answer
+        over the largest message), without the generator and its closing that a
+        decoupled model's responses need."""
         if refused is not None:
             return stream_error(request, refused)
         try:
             answer = await self.ModelInfer(request, context)
         except Exception as exc:
             return _stream_failed(request, exc, "forwarded ModelInfer")
-        return pb.ModelStreamInferResponse(infer_response=answer)
+        return fitting(pb.ModelStreamInferResponse(infer_response=answer), self.max_message_bytes)
 
     async def ModelInfer(
         self,
@@ -380,8 +405,8 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
 class InferenceServicer(BaseServicer):
     """GRPCInferenceService for a stage service's models."""
 
-    def __init__(self, manager: ModelManager) -> None:
-        super().__init__()
+    def __init__(self, manager: ModelManager, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        super().__init__(max_message_bytes)
         self.manager = manager
 
     async def ServerReady(
@@ -533,7 +558,7 @@ def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
     """Register the servicer (the shape ``ServiceParts.servicers`` expects), and
     the stream that takes forwarded requests several to a message."""
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
-    add_forwarding(servicer.answer_forwarded, server)
+    add_forwarding(servicer.answer_forwarded, server, servicer.max_message_bytes)
 
 
 def _with_runtime(config: mc.ModelConfig, model: ModelVersion) -> mc.ModelConfig:

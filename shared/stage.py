@@ -103,7 +103,7 @@ def build_stage_parts(config: StageConfig, backends: Mapping[str, Backend]) -> S
         config.queue_defaults(),
     )
     manager.starting = True  # until load_all is done: its models are loading, not unknown
-    parts.servicers = [(add_to_server, InferenceServicer(manager))]
+    parts.servicers = [(add_to_server, InferenceServicer(manager, config.max_message_bytes))]
     context = StageContext(config, manager, parts.registry, tracer_for(provider, "meshserve.stage"))
     starts: list[Hook] = []
     stops: list[Hook] = []

@@ -37,8 +37,9 @@ from collections.abc import Callable, Mapping
 import grpc
 
 from inference import grpc_service_pb2 as pb
-from shared.errors import MeshError, Unavailable
-from shared.forwarding import FORWARD_HEADER, FORWARD_UNARY, PACKED_METHOD
+from shared.config import MAX_MESSAGE_BYTES
+from shared.errors import MeshError, Overloaded, Unavailable
+from shared.forwarding import FORWARD_HEADER, FORWARD_UNARY, PACKED_METHOD, packed_size
 from shared.h2grpc.client import LeanChannel, StreamCall
 from shared.rpc import failure
 from shared.servicer import stream_failure
@@ -72,19 +73,28 @@ class ForwardStream:
     """One call carrying forwarded requests and their answers: ForwardingService's
     Forward (``packed``), or ModelStreamInfer."""
 
-    def __init__(self, channel: grpc.aio.Channel | LeanChannel, *, packed: bool = False) -> None:
+    def __init__(
+        self,
+        channel: grpc.aio.Channel | LeanChannel,
+        *,
+        packed: bool = False,
+        limit: int = MAX_MESSAGE_BYTES,
+    ) -> None:
         # No (de)serialisers: requests go out and answers come in as bytes.
         method = channel.stream_stream(PACKED_METHOD if packed else STREAM_METHOD)
         self._call = method(metadata=((FORWARD_HEADER, FORWARD_UNARY),))
         self.packed = packed
+        self._limit = limit
+        """The largest message written (the channel's own limit)."""
         loop = asyncio.get_running_loop()
         self._closes_at = loop.time() + STREAM_SECONDS
         self._pending: dict[str, asyncio.Future[bytes]] = {}
         self._tags = itertools.count()
         self._sent = 0
-        self._waiting: list[tuple[str, tuple[bytes, ...]]] = []
+        self._waiting: list[tuple[str, tuple[bytes, ...], int]] = []
         """Requests not yet written, for the writer task: (tag, the request's pieces:
-        its bytes and the fields set on it, joined only as they are written)."""
+        its bytes and the fields set on it, joined only as they are written, and
+        the bytes they take in a message)."""
         self._writer: asyncio.Task[None] | None = None
         self._writing = asyncio.Lock()  # one message at a time on the call
         self._accepted: asyncio.Future[bool] = loop.create_future()
@@ -110,7 +120,8 @@ class ForwardStream:
     ) -> bytes:
         """The stage's answer to a serialised ModelInferRequest, its id the caller's;
         ``carried``: its trace context (``shared.tracing.current_carrier``). The
-        stage's error as its MeshError, Unavailable if the stream broke, and
+        stage's error as its MeshError, Unavailable if the stream broke,
+        RESOURCE_EXHAUSTED for a request over the largest message (unsent), and
         NotForwarding when the server does not forward (nothing was sent)."""
         if self._accepted.done():  # every request but the first few: no wait to set up
             accepted = self._accepted.result()
@@ -128,13 +139,17 @@ class ForwardStream:
             self._idle.cancel()
             self._idle = None
         tag = f"~{next(self._tags)}"
-        answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self._pending[tag] = answer
-        self._sent += 1
         pieces: tuple[bytes, ...] = (request, id_field(tag))
         if carried:
             pieces += (string_parameters(carried),)
-        self._waiting.append((tag, pieces))
+        size = sum(map(len, pieces))
+        size = packed_size(size) if self.packed else size
+        if size > self._limit:
+            raise Overloaded(f"Sent message larger than max ({size} vs. {self._limit})")
+        answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._pending[tag] = answer
+        self._sent += 1
+        self._waiting.append((tag, pieces, size))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write(), name="forward-stream-write")
         try:
@@ -145,16 +160,16 @@ class ForwardStream:
                 self._went_idle()
 
     async def _write(self) -> None:
-        """Write the waiting requests until none waits: one message each, or
-        all of them as one message on a packed stream. A failed write fails the
-        requests it carried."""
+        """Write the waiting requests until none waits: one message each, or on a
+        packed stream as many to a message as the largest message takes. A
+        failed write fails the requests it carried."""
         while self._waiting:
-            taken = len(self._waiting) if self.packed else 1
+            taken = self._fitting() if self.packed else 1
             batch, self._waiting = self._waiting[:taken], self._waiting[taken:]
             try:
                 async with self._writing:
                     if self.packed:
-                        message = repeated_pieces(1, [pieces for _, pieces in batch])
+                        message = repeated_pieces(1, [pieces for _, pieces, _ in batch])
                         if isinstance(self._call, StreamCall):  # joined as it goes out
                             await self._call.write_parts(message)
                         else:
@@ -162,10 +177,21 @@ class ForwardStream:
                     else:
                         await self._call.write(b"".join(batch[0][1]))
             except grpc.aio.AioRpcError as exc:
-                self._fail([tag for tag, _ in batch], _broken(exc))
+                self._fail([tag for tag, _, _ in batch], _broken(exc))
             except (asyncio.InvalidStateError, grpc.aio.UsageError):
                 unsent = Unavailable("the stage stream closed with the request unsent")
-                self._fail([tag for tag, _ in batch], unsent)
+                self._fail([tag for tag, _, _ in batch], unsent)
+
+    def _fitting(self) -> int:
+        """How many of the waiting requests, oldest first, one message takes (at
+        least one: each fits alone)."""
+        total, count = 0, 0
+        for _, _, size in self._waiting:
+            total += size
+            if count and total > self._limit:
+                break
+            count += 1
+        return count
 
     def _fail(self, tags: list[str], error: MeshError) -> None:
         for tag in tags:

@@ -43,6 +43,7 @@ from services.orchestrator.discovery import Resolver, is_address, split_target
 from services.orchestrator.forward_stream import ForwardStream, NotForwarding
 from services.orchestrator.stage_stream import StageStream
 from shared.channels import open_channels, open_stream_channels
+from shared.config import MAX_MESSAGE_BYTES
 from shared.errors import Cancelled, InvalidArgument, MeshError, NotFound, Unavailable
 from shared.h2grpc.client import LeanChannel
 from shared.rpc import remote
@@ -103,6 +104,8 @@ class Endpoint:
     """Channel index -> its stream carrying forwarded requests (forward_stream.py)."""
     retiring_streams: set[ForwardStream] = field(default_factory=set)
     """Streams that take no new requests, until their answers are in."""
+    message_limit: int = MAX_MESSAGE_BYTES
+    """The largest message written to the replica (the channels' limit)."""
     forwards_on_streams: bool = True
     """False once the replica turned out not to answer forwarded requests on a stream."""
     packs: bool = True
@@ -152,7 +155,9 @@ class Endpoint:
             if stream is not None:
                 self._retire_stream(stream)
             channel = self.plain_channels[index]
-            stream = self.forward_streams[index] = ForwardStream(channel, packed=self.packs)
+            stream = self.forward_streams[index] = ForwardStream(
+                channel, packed=self.packs, limit=self.message_limit
+            )
         return stream
 
     def _retire_stream(self, stream: ForwardStream) -> None:
@@ -230,7 +235,7 @@ def open_endpoint(
     # No serialisers: the bytes go out and come back as they are.
     raw_calls = [c.unary_unary(INFER_METHOD) for c in opened]
     plain = open_stream_channels(address.target, channels, max_message_bytes, tracer, lean_streams)
-    endpoint = Endpoint(address, stubs, opened, raw_calls, plain)
+    endpoint = Endpoint(address, stubs, opened, raw_calls, plain, message_limit=max_message_bytes)
     endpoint._next = itertools.cycle(range(channels))
     return endpoint
 

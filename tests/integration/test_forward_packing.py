@@ -232,7 +232,7 @@ def test_on_a_busy_stream_a_request_is_written_without_waiting_for_company(
 
         server = grpc.aio.server()
         stage = Holding()
-        forwarding.add_forwarding(stage.answer_forwarded, server)
+        forwarding.add_forwarding(stage.answer_forwarded, server, stage.max_message_bytes)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:

@@ -20,6 +20,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
+from shared.config import MAX_MESSAGE_BYTES
 from shared.errors import InvalidArgument
 from shared.forwarding import PACKED_METHOD, Answer, add_forwarding
 from shared.interceptors import DrainGate, ErrorInterceptor, TracingInterceptor, client_interceptors
@@ -63,7 +64,7 @@ async def _serve(
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     if forwarding is not None:
-        add_forwarding(forwarding, server)
+        add_forwarding(forwarding, server, MAX_MESSAGE_BYTES)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, port
