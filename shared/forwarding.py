@@ -24,7 +24,7 @@ message (``Pack.before_each``), and ends its span as its answer is written.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -112,6 +112,19 @@ def packed_size(size: int) -> int:
     return 1 + len(encode_varint(size)) + size
 
 
+def fitting_count(sizes: Iterable[int], limit: int) -> int:
+    """How many entries of these sizes, from the first, one message of at most
+    ``limit`` bytes takes; at least one (an entry over the limit alone is its
+    sender's to refuse)."""
+    total, count = 0, 0
+    for size in sizes:
+        total += size
+        if count and total > limit:
+            break
+        count += 1
+    return count
+
+
 class AnswerPacker:
     """Writes answers on a Forward stream: at once when no write is under way
     (after the other requests ready to run, when ``busy``), else with the others
@@ -143,14 +156,9 @@ class AnswerPacker:
             self._writing = False
 
     def _next_message(self) -> list[pb.ModelStreamInferResponse]:
-        """The ready answers that fit in one message, oldest first (at least one:
-        each fits alone)."""
-        total, count = 0, 0
-        for answer in self._ready:
-            total += packed_size(answer.ByteSize())
-            if count and total > self._limit:
-                break
-            count += 1
+        """The ready answers that fit in one message, oldest first."""
+        sizes = (packed_size(answer.ByteSize()) for answer in self._ready)
+        count = fitting_count(sizes, self._limit)
         answers, self._ready = self._ready[:count], self._ready[count:]
         return answers
 

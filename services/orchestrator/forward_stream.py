@@ -39,7 +39,13 @@ import grpc
 from inference import grpc_service_pb2 as pb
 from shared.config import MAX_MESSAGE_BYTES
 from shared.errors import MeshError, Overloaded, Unavailable
-from shared.forwarding import FORWARD_HEADER, FORWARD_UNARY, PACKED_METHOD, packed_size
+from shared.forwarding import (
+    FORWARD_HEADER,
+    FORWARD_UNARY,
+    PACKED_METHOD,
+    fitting_count,
+    packed_size,
+)
 from shared.h2grpc.client import LeanChannel, StreamCall
 from shared.rpc import failure
 from shared.servicer import stream_failure
@@ -164,7 +170,8 @@ class ForwardStream:
         packed stream as many to a message as the largest message takes. A
         failed write fails the requests it carried."""
         while self._waiting:
-            taken = self._fitting() if self.packed else 1
+            sizes = (size for _, _, size in self._waiting)
+            taken = fitting_count(sizes, self._limit) if self.packed else 1
             batch, self._waiting = self._waiting[:taken], self._waiting[taken:]
             try:
                 async with self._writing:
@@ -181,17 +188,6 @@ class ForwardStream:
             except (asyncio.InvalidStateError, grpc.aio.UsageError):
                 unsent = Unavailable("the stage stream closed with the request unsent")
                 self._fail([tag for tag, _, _ in batch], unsent)
-
-    def _fitting(self) -> int:
-        """How many of the waiting requests, oldest first, one message takes (at
-        least one: each fits alone)."""
-        total, count = 0, 0
-        for _, _, size in self._waiting:
-            total += size
-            if count and total > self._limit:
-                break
-            count += 1
-        return count
 
     def _fail(self, tags: list[str], error: MeshError) -> None:
         for tag in tags:
