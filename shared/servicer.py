@@ -155,7 +155,8 @@ def fitting(answer: pb.ModelStreamInferResponse, limit: int) -> pb.ModelStreamIn
     request = pb.ModelInferRequest(
         model_name=head.model_name, model_version=head.model_version, id=head.id
     )
-    return stream_error(request, Overloaded(f"Sent message larger than max ({size} vs. {limit})"))
+    too_large = f"model '{head.model_name}': answer larger than max ({size} vs. {limit} bytes)"
+    return stream_error(request, Overloaded(too_large))
 
 
 def is_final(response: pb.ModelInferResponse) -> bool:

@@ -151,7 +151,7 @@ class ForwardStream:
         size = sum(map(len, pieces))
         size = packed_size(size) if self.packed else size
         if size > self._limit:
-            raise Overloaded(f"Sent message larger than max ({size} vs. {self._limit})")
+            raise Overloaded(f"request larger than max ({size} vs. {self._limit} bytes)")
         answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._pending[tag] = answer
         self._sent += 1

@@ -112,7 +112,7 @@ def test_answers_that_fit_alone_but_not_together_all_arrive(preprocess: ServiceP
                 assert outputs(answer)["PIXELS"].shape == (4, 3, 224, 224)
             assert isinstance(too_large, MeshError)
             assert too_large.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "larger than max" in too_large.message
+            assert "'image_preprocess': answer larger than max" in too_large.message
             assert str(LIMIT) in too_large.message
             (after,) = await _infer_all(stream, [images(1)])
             assert isinstance(after, bytes), after
@@ -144,7 +144,7 @@ def test_requests_that_fit_alone_but_not_together_are_all_answered(
             with pytest.raises(MeshError) as refused:
                 await stream.infer(pixels(8), "too-large")
             assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "larger than max" in refused.value.message
+            assert "request larger than max" in refused.value.message
             (after,) = await _infer_all(stream, [pixels(1)])
             assert isinstance(after, bytes), after
             assert outputs(after)["logits"].shape == (1, 1000)
