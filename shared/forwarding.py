@@ -24,6 +24,7 @@ message (``Pack.before_each``), and ends its span as its answer is written.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
@@ -32,9 +33,11 @@ from google.protobuf.message import DecodeError
 
 from inference import grpc_service_pb2 as pb
 from meshserve.v1 import forwarding_pb2
-from shared.errors import InvalidArgument, MeshError
+from shared.errors import InvalidArgument, MeshError, Unavailable
 from shared.stream_tasks import StreamTasks
 from shared.wireformat import encode_varint, infer_header, repeated, repeated_field
+
+log = logging.getLogger(__name__)
 
 FORWARD_HEADER = "x-meshserve-forward"
 """Metadata of a stream that forwards unary requests (the orchestrator's): each
@@ -190,8 +193,20 @@ async def serve_forwarded(
         else one_at_a_time(context)
     )
 
+    handler = asyncio.current_task()
+    unwritten: list[Exception] = []
+
     async def one(request: pb.ModelInferRequest, refused: MeshError | None) -> None:
-        await send(await answer(request, context, refused))
+        reply = await answer(request, context, refused)
+        try:
+            await send(reply)
+        except Exception as exc:
+            # An answer that cannot be written would leave its caller waiting for
+            # good: the whole stream ends instead, and its caller retries them all.
+            if not unwritten and handler is not None:
+                unwritten.append(exc)
+                log.exception("a forwarded answer could not be written; the stream ends")
+                handler.cancel()
 
     try:
         async for message in messages:
@@ -202,6 +217,11 @@ async def serve_forwarded(
                 refused = message.refused.get(request.id) if message.refused else None
                 tasks.start(one(request, refused))
         await tasks.finish()
+    except asyncio.CancelledError:
+        if not unwritten or handler is None:
+            raise
+        handler.uncancel()
+        raise Unavailable("the stage could not write an answer; the stream ended") from None
     finally:
         await tasks.cancel()
 

@@ -24,6 +24,9 @@ from services.orchestrator.forward_stream import ForwardStream
 from services.orchestrator.router import StageAddress, StageRouter
 from shared import forwarding
 from shared.errors import MeshError
+from shared.h2grpc.client import LeanChannel
+from shared.h2grpc.server import LeanServer
+from shared.interceptors import ErrorInterceptor
 from shared.servicer import FORWARD_HEADER, STATUS_CODE, BaseServicer, stream_failure
 from shared.tensors import decode_outputs, encode_inputs
 from shared.wireformat import repeated, repeated_field, with_id
@@ -256,5 +259,54 @@ def test_on_a_busy_stream_a_request_is_written_without_waiting_for_company(
         finally:
             await server.stop(0)
         assert sizes == [held, 1]
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("kind", ["asyncio", "grpcio"])
+def test_an_answer_that_cannot_be_written_ends_the_stream_and_nothing_hangs(kind: str) -> None:
+    """A stage whose write of one answer fails (here: the answer is not a message)
+    ends the whole stream UNAVAILABLE, so its callers hear at once and may retry,
+    where the answer would otherwise be lost and its caller wait for good; the
+    stage serves the next stream as before. On either gRPC server a stage may run."""
+
+    async def answer(request: pb.ModelInferRequest, context: Any, refused: Any) -> Any:
+        if request.model_name == "unwritable":
+            return object()
+        reply = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+        return pb.ModelStreamInferResponse(infer_response=reply)
+
+    async def scenario() -> None:
+        limit = 1 << 22
+        server: Any = (
+            LeanServer([ErrorInterceptor()], limit)
+            if kind == "asyncio"
+            else grpc.aio.server(interceptors=[ErrorInterceptor()])
+        )
+        forwarding.add_forwarding(answer, server, limit)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = LeanChannel(f"127.0.0.1:{port}", limit)
+        try:
+
+            def infer(stream: ForwardStream, model: str) -> Any:
+                request = pb.ModelInferRequest(model_name=model).SerializeToString()
+                return stream.infer(request, model)
+
+            stream = ForwardStream(channel, packed=True, limit=limit)
+            calls = [infer(stream, "unwritable"), infer(stream, "m")]
+            unwritable, _ = await asyncio.wait_for(
+                asyncio.gather(*calls, return_exceptions=True), 5
+            )
+            assert isinstance(unwritable, MeshError), unwritable
+            assert unwritable.code == grpc.StatusCode.UNAVAILABLE
+            assert "could not write an answer" in unwritable.message
+            after = ForwardStream(channel, packed=True, limit=limit)
+            answer_bytes = await asyncio.wait_for(infer(after, "m"), 5)
+            assert pb.ModelInferResponse.FromString(answer_bytes).id == "m"
+            after.cancel()
+        finally:
+            await channel.close()
+            await server.stop(0)
 
     asyncio.run(scenario())
