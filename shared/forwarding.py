@@ -202,7 +202,8 @@ async def serve_forwarded(
             await send(reply)
         except Exception as exc:
             # An answer that cannot be written would leave its caller waiting for
-            # good: the whole stream ends instead, and its caller retries them all.
+            # good: the whole stream ends instead, and the caller hears at once of
+            # every request it carried (the router may retry them elsewhere).
             if not unwritten and handler is not None:
                 unwritten.append(exc)
                 log.exception("a forwarded answer could not be written; the stream ends")
