@@ -170,8 +170,9 @@ class ForwardStream:
         packed stream as many to a message as the largest message takes. A
         failed write fails the requests it carried."""
         while self._waiting:
-            sizes = (size for _, _, size in self._waiting)
-            taken = fitting_count(sizes, self._limit) if self.packed else 1
+            taken = 1
+            if self.packed:
+                taken = fitting_count((size for _, _, size in self._waiting), self._limit)
             batch, self._waiting = self._waiting[:taken], self._waiting[taken:]
             try:
                 async with self._writing:
