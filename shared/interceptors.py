@@ -686,7 +686,15 @@ class ClientUnaryInterceptor(_ClientBase, grpc.aio.UnaryUnaryClientInterceptor):
             call = await continuation(self._details(details, span), request)
             # Read the outcome without raising: the caller gets the call as it
             # is and turns a failure into the error tree (``shared.rpc``).
-            if await call.code() != grpc.StatusCode.OK:
+            try:
+                code = await call.code()
+            except asyncio.CancelledError:
+                # The caller went away while the call ran: this task is what grpc
+                # cancels, and waiting for the code does not end the call, so
+                # the server would go on with a request nobody waits for.
+                call.cancel()
+                raise
+            if code != grpc.StatusCode.OK:
                 span.set_status(Status(StatusCode.ERROR, await call.details() or ""))
             return call
         finally:

@@ -1,0 +1,71 @@
+"""A caller that goes away takes its request out of the stage's queue.
+
+Through the orchestrator, a request with a deadline is a ModelInfer call of its
+own to the stage; once its caller cancels, the stage stops it, so that work
+nobody waits for holds no place in a bounded queue that other callers need. A real stage (the python backend's ``slow``,
+its queue bounded to 4) and the orchestrator, in the test's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from inference import grpc_service_pb2 as pb
+from shared.tensors import decode_outputs, encode_inputs
+from tests.conftest import DATA
+from tests.in_process import Mesh, running
+
+QUEUE = 4
+"""The stage's bound on queued requests of ``slow``."""
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    shutil.copytree(DATA / "models" / "slow", tmp_path / "slow")
+    config = tmp_path / "slow" / "config.pbtxt"
+    bound = f'parameters {{ key: "max_queue_size" value {{ string_value: "{QUEUE}" }} }}\n'
+    config.write_text(config.read_text() + bound)
+    return tmp_path
+
+
+def slow(ms: int) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="slow")
+    encode_inputs(request, {"MS": np.array([ms], np.int32)})
+    return request
+
+
+def waited(answer: pb.ModelInferResponse) -> int:
+    return int(decode_outputs(answer)["MS_OUT"][0])
+
+
+@pytest.mark.parametrize("deadline_s", [30.0], ids=["own-call"])
+def test_cancelled_requests_leave_the_stage_queue(repo: Path, deadline_s: float | None) -> None:
+    """Both instances busy, the queue filled by a caller who then cancels: another
+    caller's requests are all taken (none RESOURCE_EXHAUSTED) and answered."""
+
+    async def scenario(mesh: Mesh) -> None:
+        async def infer(ms: int, deadline: float | None = None) -> pb.ModelInferResponse:
+            return await mesh.v2.ModelInfer(slow(ms), timeout=deadline)
+
+        busy = [asyncio.create_task(infer(1500)) for _ in range(2)]
+        await asyncio.sleep(0.3)
+        gone = [asyncio.create_task(infer(1000, deadline_s)) for _ in range(QUEUE)]
+        await asyncio.sleep(0.3)
+        for call in gone:
+            call.cancel()
+        await asyncio.gather(*gone, return_exceptions=True)
+        await asyncio.sleep(0.2)
+        others = await asyncio.gather(*(infer(i) for i in range(QUEUE)))
+        assert [waited(answer) for answer in others] == list(range(QUEUE))
+        assert [waited(await call) for call in busy] == [1500, 1500]
+
+    async def run() -> None:
+        async with running(repo) as mesh:
+            await asyncio.wait_for(scenario(mesh), 30)
+
+    asyncio.run(run())
