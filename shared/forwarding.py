@@ -33,9 +33,15 @@ from google.protobuf.message import DecodeError
 
 from inference import grpc_service_pb2 as pb
 from meshserve.v1 import forwarding_pb2
-from shared.errors import InvalidArgument, MeshError, Unavailable
+from shared.errors import Cancelled, InvalidArgument, MeshError, Unavailable
 from shared.stream_tasks import StreamTasks
-from shared.wireformat import encode_varint, infer_header, repeated, repeated_field
+from shared.wireformat import (
+    WireError,
+    encode_varint,
+    infer_header,
+    length_delimited,
+    repeated,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +55,8 @@ FORWARDING_SERVICE = forwarding_pb2.DESCRIPTOR.services_by_name["ForwardingServi
 PACKED_METHOD = f"/{FORWARDING_SERVICE}/Forward"
 _REQUESTS = _ANSWERS = 1
 """Field number of the requests (ForwardRequest) and the answers (ForwardResponse)."""
+_WITHDRAWN = 2
+"""Field number of the withdrawn requests' ids (ForwardRequest)."""
 NOT_A_REQUEST = "the request is not a valid inference.ModelInferRequest message"
 
 Answer = Callable[
@@ -59,12 +67,15 @@ argument is an error the request already has (it did not decode)."""
 
 
 class Pack:
-    """The requests of one ForwardRequest message, in order."""
+    """The requests of one ForwardRequest message, in order, and the ids of
+    earlier requests it withdraws."""
 
-    __slots__ = ("before_each", "refused", "requests")
+    __slots__ = ("before_each", "refused", "requests", "withdrawn")
 
-    def __init__(self, requests: list[pb.ModelInferRequest]) -> None:
+    def __init__(self, requests: list[pb.ModelInferRequest], withdrawn: Iterable[str] = ()) -> None:
         self.requests = requests
+        self.withdrawn = list(withdrawn)
+        """Ids of requests sent earlier on the stream whose callers went away."""
         self.refused: dict[str, MeshError] = {}
         """Request id -> its error, for a request that did not decode (a stand-in
         with its model name and id is in ``requests``)."""
@@ -86,11 +97,18 @@ def read_pack(data: bytes) -> Pack:
     as a stand-in and refused on its own (its neighbours are answered as usual).
     WireError when the message itself is malformed."""
     try:
-        return Pack(list(forwarding_pb2.ForwardRequest.FromString(data).requests))
+        message = forwarding_pb2.ForwardRequest.FromString(data)
+        return Pack(list(message.requests), message.withdrawn)
     except DecodeError:
         pass
     pack = Pack([])
-    for raw in repeated_field(data, _REQUESTS):
+    for number, start, end in length_delimited(data):
+        if number == _WITHDRAWN:
+            pack.withdrawn.append(data[start:end].decode("utf-8", "replace"))
+            continue
+        if number != _REQUESTS:
+            raise WireError(f"unexpected field {number}")
+        raw = data[start:end]
         try:
             pack.requests.append(pb.ModelInferRequest.FromString(raw))
         except DecodeError:
@@ -197,7 +215,14 @@ async def serve_forwarded(
     unwritten: list[Exception] = []
 
     async def one(request: pb.ModelInferRequest, refused: MeshError | None) -> None:
-        reply = await answer(request, context, refused)
+        try:
+            reply = await answer(request, context, refused)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or not tasks.withdrawn(task):
+                raise
+            task.uncancel()  # its caller went away: its answer says so (and ends its span)
+            reply = await answer(request, context, Cancelled("the caller withdrew the request"))
         try:
             await send(reply)
         except Exception as exc:
@@ -216,7 +241,9 @@ async def serve_forwarded(
                 continue
             for request in message:
                 refused = message.refused.get(request.id) if message.refused else None
-                tasks.start(one(request, refused))
+                tasks.start(one(request, refused), request.id)
+            for withdrawn in message.withdrawn:
+                tasks.withdraw(withdrawn)
         await tasks.finish()
     except asyncio.CancelledError:
         if not unwritten or handler is None:

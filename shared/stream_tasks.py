@@ -3,12 +3,15 @@
 A stream's requests run concurrently and each writes its own answer; the
 stream's handler ends once every one has, and when the caller goes away the
 handler is cancelled and so is every request still running (which stops the
-generation behind a decoupled model, or an engine's work).
+generation behind a decoupled model, or an engine's work). A caller may also
+withdraw one request while the stream goes on: that request alone is cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import weakref
 from collections.abc import Coroutine
 from typing import Any
 
@@ -21,20 +24,49 @@ class StreamTasks:
 
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[None]] = set()
+        self._keyed: dict[str, asyncio.Task[None]] = {}
+        self._withdrawn: weakref.WeakSet[asyncio.Task[None]] = weakref.WeakSet()
 
     def __len__(self) -> int:
         return len(self._tasks)
 
-    def start(self, request: Coroutine[Any, Any, None]) -> None:
-        """Run one request beside the others."""
+    def start(self, request: Coroutine[Any, Any, None], key: str | None = None) -> None:
+        """Run one request beside the others; ``key`` names it for ``withdraw``."""
         task = asyncio.create_task(request)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        if key is None:
+            task.add_done_callback(self._tasks.discard)
+        else:
+            self._keyed[key] = task
+            task.add_done_callback(functools.partial(self._ended, key))
+
+    def _ended(self, key: str, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if self._keyed.get(key) is task:
+            del self._keyed[key]
+
+    def withdraw(self, key: str) -> None:
+        """Cancel the request started as ``key``, its caller gone; the stream goes on."""
+        task = self._keyed.pop(key, None)
+        if task is not None and not task.done():
+            self._withdrawn.add(task)
+            task.cancel()
+
+    def withdrawn(self, task: asyncio.Task[Any]) -> bool:
+        """True when ``task`` was cancelled by ``withdraw``, not by the stream's end."""
+        return task in self._withdrawn
 
     async def finish(self) -> None:
-        """Wait until every request started (and any started meanwhile) has ended."""
+        """Wait until every request started (and any started meanwhile) has ended;
+        a request's failure is raised, a withdrawn request's cancellation is not."""
         while self._tasks:
-            await asyncio.gather(*list(self._tasks))
+            running = list(self._tasks)
+            outcomes = await asyncio.gather(*running, return_exceptions=True)
+            for task, outcome in zip(running, outcomes, strict=True):
+                if isinstance(outcome, BaseException) and not (
+                    isinstance(outcome, asyncio.CancelledError) and task in self._withdrawn
+                ):
+                    raise outcome
 
     async def cancel(self) -> None:
         """Cancel whatever still runs, and let it clean up first."""

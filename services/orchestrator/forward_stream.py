@@ -101,11 +101,14 @@ class ForwardStream:
         """Requests not yet written, for the writer task: (tag, the request's pieces:
         its bytes and the fields set on it, joined only as they are written, and
         the bytes they take in a message)."""
+        self._withdrawn: list[str] = []
+        """Tags of sent requests whose callers went away, for the next message."""
         self._writer: asyncio.Task[None] | None = None
         self._writing = asyncio.Lock()  # one message at a time on the call
         self._accepted: asyncio.Future[bool] = loop.create_future()
         self._closing = False
         self._closer: asyncio.Task[None] | None = None
+        self._wrote_last = False  # half-closed: nothing more may be written
         self._idle: asyncio.TimerHandle | None = None
         self._reader = asyncio.create_task(self._read(), name="forward-stream")
 
@@ -160,24 +163,47 @@ class ForwardStream:
             self._writer = asyncio.create_task(self._write(), name="forward-stream-write")
         try:
             return with_id(await answer, caller_id)
+        except asyncio.CancelledError:
+            if answer.cancelled():  # unanswered: the caller's cancel reached it
+                self._withdraw(tag)
+            raise
         finally:
             del self._pending[tag]
             if not self._pending:
                 self._went_idle()
 
+    def _withdraw(self, tag: str) -> None:
+        """The caller of request ``tag`` went away: unsent, it stays unsent; sent
+        on a packed stream, the next message withdraws it, and the stage stops
+        it (another server has no way to be told: it answers, unread)."""
+        unsent = [waiting for waiting in self._waiting if waiting[0] != tag]
+        if len(unsent) < len(self._waiting):
+            self._waiting = unsent
+            return
+        if not self.packed or self._reader.done():
+            return
+        self._withdrawn.append(tag)
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write(), name="forward-stream-write")
+
     async def _write(self) -> None:
         """Write the waiting requests until none waits: one message each, or on a
         packed stream as many to a message as the largest message takes. A
         failed write fails the requests it carried."""
-        while self._waiting:
+        while self._waiting or self._withdrawn:
             taken = 1
+            withdrawn, self._withdrawn = self._withdrawn, []
+            ids = repeated_pieces(2, [(tag.encode(),) for tag in withdrawn]) if withdrawn else []
             if self.packed:
-                taken = fitting_count((size for _, _, size in self._waiting), self._limit)
+                room = self._limit - sum(map(len, ids))
+                taken = fitting_count((size for _, _, size in self._waiting), room)
             batch, self._waiting = self._waiting[:taken], self._waiting[taken:]
             try:
                 async with self._writing:
+                    if self._wrote_last:
+                        raise asyncio.InvalidStateError("the stream was half-closed")
                     if self.packed:
-                        message = repeated_pieces(1, [pieces for _, pieces, _ in batch])
+                        message = repeated_pieces(1, [pieces for _, pieces, _ in batch]) + ids
                         if isinstance(self._call, StreamCall):  # joined as it goes out
                             await self._call.write_parts(message)
                         else:
@@ -227,6 +253,7 @@ class ForwardStream:
     async def _done_writing(self) -> None:
         try:
             async with self._writing:
+                self._wrote_last = True
                 await self._call.done_writing()
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
             pass  # it ended already

@@ -1,8 +1,10 @@
 """A caller that goes away takes its request out of the stage's queue.
 
 Through the orchestrator, a request with a deadline is a ModelInfer call of its
-own to the stage; once its caller cancels, the stage stops it, so that work
-nobody waits for holds no place in a bounded queue that other callers need. A real stage (the python backend's ``slow``,
+own to the stage, and one without rides a stream of forwarded requests
+(services/orchestrator/forward_stream.py); either way, once its caller cancels,
+the stage stops it, so that work nobody waits for holds no place in a bounded
+queue that other callers need. A real stage (the python backend's ``slow``,
 its queue bounded to 4) and the orchestrator, in the test's event loop.
 """
 
@@ -12,11 +14,16 @@ import asyncio
 import shutil
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
 from inference import grpc_service_pb2 as pb
+from shared import forwarding
+from shared.errors import MeshError
+from shared.servicer import stream_failure
 from shared.tensors import decode_outputs, encode_inputs
+from shared.wireformat import repeated, repeated_field, with_id
 from tests.conftest import DATA
 from tests.in_process import Mesh, running
 
@@ -43,7 +50,7 @@ def waited(answer: pb.ModelInferResponse) -> int:
     return int(decode_outputs(answer)["MS_OUT"][0])
 
 
-@pytest.mark.parametrize("deadline_s", [30.0], ids=["own-call"])
+@pytest.mark.parametrize("deadline_s", [None, 30.0], ids=["forwarded", "own-call"])
 def test_cancelled_requests_leave_the_stage_queue(repo: Path, deadline_s: float | None) -> None:
     """Both instances busy, the queue filled by a caller who then cancels: another
     caller's requests are all taken (none RESOURCE_EXHAUSTED) and answered."""
@@ -63,6 +70,46 @@ def test_cancelled_requests_leave_the_stage_queue(repo: Path, deadline_s: float 
         others = await asyncio.gather(*(infer(i) for i in range(QUEUE)))
         assert [waited(answer) for answer in others] == list(range(QUEUE))
         assert [waited(await call) for call in busy] == [1500, 1500]
+
+    async def run() -> None:
+        async with running(repo) as mesh:
+            await asyncio.wait_for(scenario(mesh), 30)
+
+    asyncio.run(run())
+
+
+def test_a_withdrawn_request_is_answered_cancelled_and_the_stream_goes_on(repo: Path) -> None:
+    """On a raw Forward stream: requests queued behind busy instances, withdrawn
+    by a later message, are answered CANCELLED at once; the rest as usual."""
+
+    async def scenario(mesh: Mesh) -> None:
+        async with grpc.aio.insecure_channel(mesh.stages[0].address) as channel:
+            method = channel.stream_stream(forwarding.PACKED_METHOD)
+            call = method(metadata=((forwarding.FORWARD_HEADER, "unary"),))
+            busy = [with_id(slow(1500).SerializeToString(), f"busy-{i}") for i in range(2)]
+            queued = [with_id(slow(1000).SerializeToString(), f"gone-{i}") for i in range(3)]
+            await call.write(repeated(1, busy + queued))
+            await asyncio.sleep(0.3)
+            await call.write(repeated(2, [f"gone-{i}".encode() for i in range(3)]))
+            answers: dict[str, pb.ModelStreamInferResponse] = {}
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            while len(answers) < 3:
+                for raw in repeated_field(await call.read(), 1):
+                    answer = pb.ModelStreamInferResponse.FromString(raw)
+                    answers[answer.infer_response.id] = answer
+            assert loop.time() - started < 0.5  # not after the busy ones
+            assert sorted(answers) == ["gone-0", "gone-1", "gone-2"]
+            for answer in answers.values():
+                error = stream_failure(answer)
+                assert isinstance(error, MeshError)
+                assert error.code == grpc.StatusCode.CANCELLED, answer.error_message
+            while len(answers) < 5:
+                for raw in repeated_field(await call.read(), 1):
+                    answer = pb.ModelStreamInferResponse.FromString(raw)
+                    answers[answer.infer_response.id] = answer
+            assert not answers["busy-0"].error_message and not answers["busy-1"].error_message
+            await call.done_writing()
 
     async def run() -> None:
         async with running(repo) as mesh:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from inference import grpc_service_pb2 as inference_dot_grpc__service__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dmeshserve/v1/forwarding.proto\x12\x0cmeshserve.v1\x1a\x1cinference/grpc_service.proto\"@\n\x0e\x46orwardRequest\x12.\n\x08requests\x18\x01 \x03(\x0b\x32\x1c.inference.ModelInferRequest\"G\n\x0f\x46orwardResponse\x12\x34\n\x07\x61nswers\x18\x01 \x03(\x0b\x32#.inference.ModelStreamInferResponse2_\n\x11\x46orwardingService\x12J\n\x07\x46orward\x12\x1c.meshserve.v1.ForwardRequest\x1a\x1d.meshserve.v1.ForwardResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dmeshserve/v1/forwarding.proto\x12\x0cmeshserve.v1\x1a\x1cinference/grpc_service.proto\"S\n\x0e\x46orwardRequest\x12.\n\x08requests\x18\x01 \x03(\x0b\x32\x1c.inference.ModelInferRequest\x12\x11\n\twithdrawn\x18\x02 \x03(\t\"G\n\x0f\x46orwardResponse\x12\x34\n\x07\x61nswers\x18\x01 \x03(\x0b\x32#.inference.ModelStreamInferResponse2_\n\x11\x46orwardingService\x12J\n\x07\x46orward\x12\x1c.meshserve.v1.ForwardRequest\x1a\x1d.meshserve.v1.ForwardResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshserve.v1.forwarding_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FORWARDREQUEST']._serialized_start=77
-  _globals['_FORWARDREQUEST']._serialized_end=141
-  _globals['_FORWARDRESPONSE']._serialized_start=143
-  _globals['_FORWARDRESPONSE']._serialized_end=214
-  _globals['_FORWARDINGSERVICE']._serialized_start=216
-  _globals['_FORWARDINGSERVICE']._serialized_end=311
+  _globals['_FORWARDREQUEST']._serialized_end=160
+  _globals['_FORWARDRESPONSE']._serialized_start=162
+  _globals['_FORWARDRESPONSE']._serialized_end=233
+  _globals['_FORWARDINGSERVICE']._serialized_start=235
+  _globals['_FORWARDINGSERVICE']._serialized_end=330
 # @@protoc_insertion_point(module_scope)

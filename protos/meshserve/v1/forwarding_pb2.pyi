@@ -8,10 +8,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("requests",)
+    __slots__ = ("requests", "withdrawn")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WITHDRAWN_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.RepeatedCompositeFieldContainer[_grpc_service_pb2.ModelInferRequest]
-    def __init__(self, requests: _Optional[_Iterable[_Union[_grpc_service_pb2.ModelInferRequest, _Mapping]]] = ...) -> None: ...
+    withdrawn: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, requests: _Optional[_Iterable[_Union[_grpc_service_pb2.ModelInferRequest, _Mapping]]] = ..., withdrawn: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("answers",)
