@@ -58,7 +58,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import numpy as np
@@ -151,6 +151,16 @@ class Pipeline:
     def models(self) -> tuple[str, ...]:
         """The ensemble and its steps."""
         return (self.ensemble, *self.steps)
+
+
+class MeshLayout(Protocol):
+    """Which models a mesh serves, and whether their stages share one process."""
+
+    @property
+    def models(self) -> tuple[str, ...]: ...
+
+    @property
+    def colocated(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -691,14 +701,14 @@ def subset_repository(source: Path, models: Sequence[str], folder: Path) -> Path
 @contextlib.contextmanager
 def pipeline_mesh(
     source: Path,
-    pipe: Pipeline,
+    pipe: MeshLayout,
     tracing: bool,
     *,
     tree: Path = ROOT,
     environment: Mapping[str, str] | None = None,
 ) -> Iterator[MeshInfo]:
-    """The local mesh on the pipeline's models alone (no LLM), tracing on or off, no
-    batch jobs; stopped by PID on exit. ``tree``: the checkout whose code it runs;
+    """The local mesh on the pipeline's (or layout's) models alone (no LLM), tracing
+    on or off, no batch jobs; stopped by PID on exit. ``tree``: the checkout whose code it runs;
     ``environment``: set in its processes' environment."""
     with tempfile.TemporaryDirectory(prefix="meshserve-pipeline-") as tmp:
         folder = Path(tmp)
