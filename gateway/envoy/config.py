@@ -52,6 +52,12 @@ class Limits:
     """Concurrent HTTP/2 streams one connection may open."""
     connection_buffer_bytes: int = 1024 * 1024
     """Read and write buffer per connection before Envoy applies back-pressure."""
+    premature_reset_streams: int = 10_000
+    """HTTP/2 Rapid Reset guard: a connection is closed once half of at least this many
+    of its streams were reset by the client within a second, unanswered."""
+    http2_codec: str = "oghttp2"
+    """Envoy's HTTP/2 codec: ``oghttp2``, or ``nghttp2``, which also closes a connection
+    whose client resets more than 1000 streams at once or 33 a second after that."""
 
 
 @dataclass(frozen=True)
@@ -451,9 +457,25 @@ def build_config(settings: EdgeSettings) -> dict[str, Any]:
             "clusters": secure(clusters, settings.upstream_tls),
         },
     }
-    if settings.otlp_endpoint:
-        bootstrap["layered_runtime"] = span_flush_runtime()
+    bootstrap["layered_runtime"] = {"layers": _runtime_layers(settings)}
     return bootstrap
+
+
+def _runtime_layers(settings: EdgeSettings) -> list[dict[str, Any]]:
+    """Settings Envoy reads from its runtime rather than from its config."""
+    # Envoy's default of 500 closes the connection of a client whose calls are
+    # mostly cancelled or past their deadline, and with it every call in flight
+    # on it: a client that cancels as it types, or one whose deadlines pass under
+    # load, is not an attack. The guard stays, later; nghttp2's own limit on
+    # resets would close such a client's connection sooner (docs/envoy.md).
+    limits: dict[str, Any] = {
+        "overload.premature_reset_total_stream_count": settings.limits.premature_reset_streams,
+        "envoy.reloadable_features.http2_use_oghttp2": settings.limits.http2_codec == "oghttp2",
+    }
+    layers = [{"name": "limits", "static_layer": limits}]
+    if settings.otlp_endpoint:
+        layers.append(span_flush_runtime())
+    return layers
 
 
 def _torchserve_listener(settings: EdgeSettings) -> list[dict[str, Any]]:

@@ -21,16 +21,12 @@ batch size)."""
 
 
 def span_flush_runtime() -> dict[str, Any]:
-    """The bootstrap's ``layered_runtime``: the tracer's flush settings, which
-    Envoy reads from its runtime rather than from the tracer's config."""
+    """A runtime layer of the bootstrap: the tracer's flush settings, which Envoy
+    reads from its runtime rather than from the tracer's config."""
     return {
-        "layers": [
-            {
-                "name": "tracing",
-                "static_layer": {
-                    "tracing.opentelemetry.flush_interval_ms": FLUSH_INTERVAL_MS,
-                    "tracing.opentelemetry.min_flush_spans": MIN_FLUSH_SPANS,
-                },
-            }
-        ]
+        "name": "tracing",
+        "static_layer": {
+            "tracing.opentelemetry.flush_interval_ms": FLUSH_INTERVAL_MS,
+            "tracing.opentelemetry.min_flush_spans": MIN_FLUSH_SPANS,
+        },
     }

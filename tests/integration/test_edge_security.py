@@ -7,6 +7,7 @@ the orchestrator serving REST itself, as by default), clients as users call it.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import http.client
 import json
@@ -292,5 +293,58 @@ def test_drain_lets_a_long_request_finish_within_the_grace(mesh: dict[str, Any])
                 finished = time.monotonic() - started
         assert answer["MS_OUT"].tolist() == [4000]
         assert finished > 2.5
+    finally:
+        assert edge.stop() == 0
+
+
+def _slow(ms: int) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="slow")
+    encode_inputs(request, {"MS": np.array([ms], np.int32)})
+    return request
+
+
+def _cancelled_calls(stub: pb_grpc.GRPCInferenceServiceStub, count: int) -> list[str]:
+    """``count`` calls, each cancelled a few ms after it went out; how each ended."""
+    ends = []
+    for _ in range(count // 8):
+        calls = [stub.ModelInfer.future(_slow(20), timeout=30) for _ in range(8)]
+        time.sleep(0.005)
+        for call in calls:
+            call.cancel()
+        ends += ["CANCELLED" if c.cancelled() else f"{c.code().name} {c.details()}" for c in calls]
+    return ends
+
+
+def test_a_client_that_cancels_most_of_its_calls_keeps_its_connection(
+    mesh: dict[str, Any],
+) -> None:
+    """A client that cancels as it types (or whose deadlines pass) is not a Rapid Reset
+    attack: with Envoy's own guard (500) its connection, and the call it still waits
+    for, would be cut after its 250th cancel; with the nghttp2 codec, after 1000 and
+    more than 33 a second."""
+    edge = ServiceProcess(
+        "gateway.envoy.main",
+        [
+            "--orchestrator",
+            mesh["orchestrator"],
+            "--http-adapter",
+            mesh["http_front_door"],
+            "--access-log",
+            "false",
+        ],
+    )
+    try:
+        with grpc.insecure_channel(edge.address) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+            waited = stub.ModelInfer.future(_slow(2000), timeout=30)
+            ends = _cancelled_calls(stub, 1200)
+            answer = decode_outputs(waited.result())
+            after = decode_outputs(stub.ModelInfer(_slow(1), timeout=30))
+        assert answer["MS_OUT"].tolist() == [2000]
+        assert after["MS_OUT"].tolist() == [1]
+        # RESOURCE_EXHAUSTED is the stage's queue, full for a moment: the calls
+        # come faster than their cancels take them out of it.
+        unavailable = [end for end in ends if end.startswith("UNAVAILABLE")]
+        assert not unavailable, collections.Counter(ends)
     finally:
         assert edge.stop() == 0
