@@ -2,7 +2,7 @@
 
     python loadtests/cancel_storm.py [--repository ~/.cache/meshserve/repository]
         [--layout separate|colocated|both] [--callers 64] [--storm-s 20]
-        [--seed 46] [--seconds 4]
+        [--seed 46] [--seconds 4] [--llm]
 
 Callers who give up are the common case under load: a deadline that passes
 while the request waits in a queue or runs in a step, a client that cancels,
@@ -19,12 +19,17 @@ process or all in one (``--layout``):
    ``mobilenet_v2_onnx`` alone), a door (the orchestrator's gRPC port or
    Envoy's; ``text_embedding`` also as KServe v2 REST JSON through Envoy) and
    an end: a deadline of 1-50 ms, a cancel 0-30 ms after the start, or none (a
-   30-s deadline: such calls must succeed);
+   30-s deadline: such calls must succeed). With ``--llm`` the mesh serves the
+   LLM too, and a tenth of the calls are streamed chat completions through
+   Envoy, read to their end, closed after 0-4 chunks, or given 0.05-1 s (those
+   ask for 1,500 tokens: one the engine failed to abort would still be running
+   at the check after);
 3. **after**: Envoy closed no connection for "premature resets" (its Rapid
    Reset guard, docs/envoy.md); every process's
    ``nv_inference_pending_request_count`` is back to 0 within 10 s; no process
-   was replaced; and the same load as in 1 runs at >= 0.7x the rate and <= 2x
-   the p50 (a lane or an instance held by an abandoned call would show here);
+   was replaced; the LLM engine holds no request (``--llm``); and the same load
+   as in 1 runs at >= 0.7x the rate and <= 2x the p50 (a lane or an instance
+   held by an abandoned call would show here; the LLM: a short chat's p50);
    RSS of every process before and after.
 
 Answers expected in the storm: calls with no early end only OK; the others OK,
@@ -141,6 +146,28 @@ def plain_requests() -> dict[str, pb.ModelInferRequest]:
     }
 
 
+LLM_MODELS = ("llm", "smollm2_tokenizer", "smollm2", "smollm2_detokenizer")
+LLM_SHARE = 0.1
+"""Of the storm's calls, the share that are streamed LLM chat completions (``--llm``)."""
+LLM_TIMEOUT_S = 120.0
+"""The deadline of a chat completion that should run to its end."""
+CHAT_BODY = {
+    "model": "llm",
+    "messages": [{"role": "user", "content": "Name three rivers."}],
+    "max_tokens": 24,
+    "temperature": 0,
+    "stream": True,
+}
+ABANDONED_TOKENS = 1500
+"""The answer length asked for by a chat that will be given up: an engine that went
+on generating it would still hold the request long after the storm's pending check."""
+ENGINE_GAUGES = (
+    "meshserve_llm_requests_unfinished",
+    "meshserve_llm_requests_running",
+    "meshserve_llm_requests_waiting",
+)
+"""The LLM engine's requests, which must fall back to 0 as the queues do."""
+
 REST_BODY = json.dumps(
     {
         "inputs": [
@@ -153,7 +180,7 @@ REST_BODY = json.dumps(
 class Storm:
     """Callers that each, call after call, pick a model, a door and an end."""
 
-    def __init__(self, info: MeshInfo, seed: int) -> None:
+    def __init__(self, info: MeshInfo, seed: int, llm: bool = False) -> None:
         self._rng = random.Random(seed)
         self._requests = plain_requests()
         self._channels = {
@@ -161,6 +188,7 @@ class Storm:
             for door, address in (("orchestrator", info.orchestrator), ("envoy", info.edge))
         }
         self._rest_url = f"http://{info.edge}/v2/models/text_embedding/infer"
+        self._chat_url = f"http://{info.edge}/v1/chat/completions" if llm else None
         self.tally = Tally()
 
     async def run(self, callers: int, seconds: float) -> None:
@@ -178,6 +206,9 @@ class Storm:
         while time.monotonic() < end:
             model = self._rng.choice(list(self._requests))
             ending = self._rng.choice(("whole", "deadline", "cancel"))
+            if self._chat_url is not None and self._rng.random() < LLM_SHARE:
+                await self._chat(session, ending)
+                continue
             if model == "text_embedding" and self._rng.random() < 0.25:
                 await self._rest(session, ending)
                 continue
@@ -219,6 +250,37 @@ class Storm:
         except aiohttp.ClientError as exc:
             self.tally.add(ending, "rest", type(exc).__name__, str(exc))
 
+    async def _chat(self, session: aiohttp.ClientSession, ending: str) -> None:
+        """A streamed chat completion through Envoy: read to its end, or given up
+        after a few of its chunks (``cancel``) or a short time (``deadline``)."""
+        assert self._chat_url is not None
+        seconds = self._rng.uniform(0.05, 1.0) if ending == "deadline" else LLM_TIMEOUT_S
+        keep = self._rng.randint(0, 4) if ending == "cancel" else None
+        body = CHAT_BODY
+        if ending != "whole":
+            body = {**CHAT_BODY, "max_tokens": ABANDONED_TOKENS, "ignore_eos": True}
+        try:
+            async with session.post(
+                self._chat_url, json=body, timeout=aiohttp.ClientTimeout(total=seconds)
+            ) as reply:
+                if reply.status != 200:
+                    self.tally.add(ending, "chat", f"HTTP {reply.status}", await reply.text())
+                    return
+                chunks = 0
+                async for line in reply.content:
+                    if line.startswith(b"data: [DONE]"):
+                        self.tally.add(ending, "chat", "OK")
+                        return
+                    chunks += line.startswith(b"data:")
+                    if keep is not None and chunks > keep:
+                        self.tally.add(ending, "chat", "CANCELLED")
+                        return  # leaving the block closes the connection
+                self.tally.add(ending, "chat", "no [DONE]")
+        except TimeoutError:
+            self.tally.add(ending, "chat", "DEADLINE_EXCEEDED")
+        except aiohttp.ClientError as exc:
+            self.tally.add(ending, "chat", type(exc).__name__, str(exc))
+
 
 # -- the checks after ------------------------------------------------------------
 
@@ -243,7 +305,7 @@ def pending_counts(info: MeshInfo) -> dict[str, float]:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
             text = reply.read().decode()
         for line in text.splitlines():
-            if line.startswith("nv_inference_pending_request_count{"):
+            if line.startswith(("nv_inference_pending_request_count{", *ENGINE_GAUGES)):
                 labels, value = line.rsplit(" ", 1)
                 if float(value):
                     found[f"{process} {labels[labels.index('{') :]}"] = float(value)
@@ -262,14 +324,15 @@ async def drained(info: MeshInfo) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Health:
-    """An ensemble's rate at 16 in flight and p50 at 1 in flight."""
+    """A model's rate at 16 in flight (not for the LLM) and p50 at 1 in flight."""
 
-    rate: float
+    rate: float | None
     p50_ms: float
 
 
-async def health(info: MeshInfo, seconds: float) -> dict[str, Health]:
-    """Each ensemble's closed-loop rate (16 in flight) and p50 (1 in flight)."""
+async def health(info: MeshInfo, seconds: float, llm: bool) -> dict[str, Health]:
+    """Each ensemble's closed-loop rate (16 in flight) and p50 (1 in flight); with
+    ``llm``, the p50 of a short chat completion through Envoy too."""
     channel = grpc.aio.insecure_channel(info.orchestrator)
     stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
     settings = LoadSettings(seconds=seconds, warmup_s=1.0, settle_s=0.0)
@@ -289,7 +352,24 @@ async def health(info: MeshInfo, seconds: float) -> dict[str, Health]:
             found[model] = Health(busy.rate, float(np.percentile(alone.latencies_ms, 50)))
     finally:
         await channel.close()
+    if llm:
+        found["llm"] = Health(None, await chat_p50(info))
     return found
+
+
+async def chat_p50(info: MeshInfo, calls: int = 5) -> float:
+    """The median time of a short, whole, unstreamed chat completion through Envoy."""
+    body = {**CHAT_BODY, "stream": False, "max_tokens": 8}
+    times = []
+    async with aiohttp.ClientSession() as session:
+        for _ in range(calls):
+            started = time.perf_counter()
+            async with session.post(f"http://{info.edge}/v1/chat/completions", json=body) as reply:
+                if reply.status != 200:
+                    raise RuntimeError(f"llm: HTTP {reply.status} under the health load")
+                await reply.read()
+            times.append((time.perf_counter() - started) * 1000)
+    return float(np.median(times))
 
 
 # -- one mesh --------------------------------------------------------------------
@@ -312,12 +392,17 @@ class Afterwards:
         print(f"processes replaced: {list(self.replaced) or 'none'}")
         fine = not self.left and not self.replaced
         rows = []
-        for model in ENSEMBLES:
-            b, a = self.before[model], self.after[model]
-            ok = a.rate >= RATE_AT_LEAST * b.rate and a.p50_ms <= P50_AT_MOST * b.p50_ms
+        for model, b in self.before.items():
+            a = self.after[model]
+            ok = a.p50_ms <= P50_AT_MOST * b.p50_ms
+            ratio = None
+            if a.rate is not None and b.rate is not None:
+                ratio = a.rate / b.rate
+                ok = ok and ratio >= RATE_AT_LEAST
             fine = fine and ok
-            rows.append([model, b.rate, a.rate, a.rate / b.rate, b.p50_ms, a.p50_ms, ok])
-        headers = ["ensemble", "req/s before", "after", "ratio", "p50 ms before", "after", "ok"]
+            rates = [float("nan") if r is None else r for r in (b.rate, a.rate, ratio)]
+            rows.append([model, *rates, b.p50_ms, a.p50_ms, ok])
+        headers = ["model", "req/s before", "after", "ratio", "p50 ms before", "after", "ok"]
         print(format_table(headers, [[*row[:-1], "yes" if row[-1] else "NO"] for row in rows]))
         start, end = self.rss
         print(
@@ -332,8 +417,8 @@ async def storm_mesh(info: MeshInfo, settings: argparse.Namespace) -> bool:
     """Before, the storm, after; prints the tables; True when every check held."""
     ticks = {name: start_ticks(pid) for name, pid in info.pids.items()}
     rss_before = {name: rss_mib(pid) for name, pid in info.pids.items()}
-    before = await health(info, settings.seconds)
-    storm = Storm(info, settings.seed)
+    before = await health(info, settings.seconds, settings.llm)
+    storm = Storm(info, settings.seed, settings.llm)
     started = time.monotonic()
     try:
         await storm.run(settings.callers, settings.storm_s)
@@ -345,7 +430,7 @@ async def storm_mesh(info: MeshInfo, settings: argparse.Namespace) -> bool:
     fine = fine and closes == 0
     left = await drained(info)
     replaced = [name for name, pid in info.pids.items() if start_ticks(pid) != ticks[name]]
-    after = await health(info, settings.seconds)
+    after = await health(info, settings.seconds, settings.llm)
     rss_after = {name: rss_mib(pid) for name, pid in info.pids.items()}
     return Afterwards(left, replaced, before, after, (rss_before, rss_after)).report() and fine
 
@@ -359,8 +444,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--storm-s", type=float, default=20.0)
     parser.add_argument("--seed", type=int, default=46)
     parser.add_argument("--seconds", type=float, default=4.0, help="each health window")
+    parser.add_argument(
+        "--llm", action="store_true", help="the LLM too: a tenth of the calls streamed chats"
+    )
     settings = parser.parse_args(argv)
-    missing = missing_models(settings.repository, MODELS)
+    models = MODELS + LLM_MODELS if settings.llm else MODELS
+    missing = missing_models(settings.repository, models)
     if missing:
         print(f"{settings.repository} lacks {missing}: run `python -m models.prepare`")
         return 2
@@ -368,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fine = True
     for one_process in layouts:
         print(f"\n== stages {'in one process' if one_process else 'each in its own process'}")
-        with pipeline_mesh(settings.repository, MeshModels(MODELS, one_process), False) as info:
+        with pipeline_mesh(settings.repository, MeshModels(models, one_process), False) as info:
             fine = asyncio.run(storm_mesh(info, settings)) and fine
     print("\nall checks held" if fine else "\nSOME CHECKS FAILED")
     return 0 if fine else 1
