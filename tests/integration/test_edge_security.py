@@ -264,23 +264,22 @@ def test_admin_interface_is_not_on_tcp(mesh: dict[str, Any]) -> None:
     assert stat.S_IMODE(admin.stat().st_mode) == 0o600
 
 
+def _own_edge(mesh: dict[str, Any], *options: str) -> ServiceProcess:
+    """An edge of the test's own in front of the shared mesh, without access logs."""
+    front = ["--orchestrator", mesh["orchestrator"], "--http-adapter", mesh["http_front_door"]]
+    return ServiceProcess("gateway.envoy.main", [*front, "--access-log", "false", *options])
+
+
+def _slow(ms: int) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="slow")
+    encode_inputs(request, {"MS": np.array([ms], np.int32)})
+    return request
+
+
 def test_drain_lets_a_long_request_finish_within_the_grace(mesh: dict[str, Any]) -> None:
     """A request longer than the old 2-s cap completes after SIGTERM."""
-    edge = ServiceProcess(
-        "gateway.envoy.main",
-        [
-            "--orchestrator",
-            mesh["orchestrator"],
-            "--http-adapter",
-            mesh["http_front_door"],
-            "--grace-period-s",
-            "10",
-            "--access-log",
-            "false",
-        ],
-    )
-    request = pb.ModelInferRequest(model_name="slow")
-    encode_inputs(request, {"MS": np.array([4000], np.int32)})
+    edge = _own_edge(mesh, "--grace-period-s", "10")
+    request = _slow(4000)
     try:
         with grpc.insecure_channel(edge.address) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
@@ -295,12 +294,6 @@ def test_drain_lets_a_long_request_finish_within_the_grace(mesh: dict[str, Any])
         assert finished > 2.5
     finally:
         assert edge.stop() == 0
-
-
-def _slow(ms: int) -> pb.ModelInferRequest:
-    request = pb.ModelInferRequest(model_name="slow")
-    encode_inputs(request, {"MS": np.array([ms], np.int32)})
-    return request
 
 
 def _cancelled_calls(stub: pb_grpc.GRPCInferenceServiceStub, count: int) -> list[str]:
@@ -322,17 +315,7 @@ def test_a_client_that_cancels_most_of_its_calls_keeps_its_connection(
     attack: with Envoy's own guard (500) its connection, and the call it still waits
     for, would be cut after its 250th cancel; with the nghttp2 codec, after 1000 and
     more than 33 a second."""
-    edge = ServiceProcess(
-        "gateway.envoy.main",
-        [
-            "--orchestrator",
-            mesh["orchestrator"],
-            "--http-adapter",
-            mesh["http_front_door"],
-            "--access-log",
-            "false",
-        ],
-    )
+    edge = _own_edge(mesh)
     try:
         with grpc.insecure_channel(edge.address) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
