@@ -20,10 +20,12 @@ process or all in one (``--layout``):
    Envoy's; ``text_embedding`` also as KServe v2 REST JSON through Envoy) and
    an end: a deadline of 1-50 ms, a cancel 0-30 ms after the start, or none (a
    30-s deadline: such calls must succeed). With ``--llm`` the mesh serves the
-   LLM too, and a tenth of the calls are streamed chat completions through
-   Envoy, read to their end, closed after 0-4 chunks, or given 0.05-1 s (those
-   ask for 1,500 tokens: one the engine failed to abort would still be running
-   at the check after);
+   LLM too, and a tenth of the calls are streamed LLM calls (an OpenAI chat
+   completion or KServe ``generate_stream`` through Envoy, Triton's
+   ``ModelStreamInfer`` through Envoy or to the orchestrator), read to their
+   end, closed after 0-4 chunks, or given 0.05-1 s (those ask for 1,500
+   tokens: one the engine failed to abort would still be running at the check
+   after; ``llm_calls.py``);
 3. **after**: Envoy closed no connection for "premature resets" (its Rapid
    Reset guard, docs/envoy.md); every process's
    ``nv_inference_pending_request_count`` is back to 0 within 10 s; no process
@@ -65,6 +67,7 @@ from common import (
 )
 from common import closed_loop as run_closed_loop
 from fault_runs import embedding_request, image_request
+from llm_calls import ENGINE_GAUGES, LLM_MODELS, LLM_SHARE, LlmCaller, chat_p50
 from reliability import rss_mib
 
 from deploy.local.procfs import start_ticks
@@ -146,28 +149,6 @@ def plain_requests() -> dict[str, pb.ModelInferRequest]:
     }
 
 
-LLM_MODELS = ("llm", "smollm2_tokenizer", "smollm2", "smollm2_detokenizer")
-LLM_SHARE = 0.1
-"""Of the storm's calls, the share that are streamed LLM chat completions (``--llm``)."""
-LLM_TIMEOUT_S = 120.0
-"""The deadline of a chat completion that should run to its end."""
-CHAT_BODY = {
-    "model": "llm",
-    "messages": [{"role": "user", "content": "Name three rivers."}],
-    "max_tokens": 24,
-    "temperature": 0,
-    "stream": True,
-}
-ABANDONED_TOKENS = 1500
-"""The answer length asked for by a chat that will be given up: an engine that went
-on generating it would still hold the request long after the storm's pending check."""
-ENGINE_GAUGES = (
-    "meshserve_llm_requests_unfinished",
-    "meshserve_llm_requests_running",
-    "meshserve_llm_requests_waiting",
-)
-"""The LLM engine's requests, which must fall back to 0 as the queues do."""
-
 REST_BODY = json.dumps(
     {
         "inputs": [
@@ -188,8 +169,8 @@ class Storm:
             for door, address in (("orchestrator", info.orchestrator), ("envoy", info.edge))
         }
         self._rest_url = f"http://{info.edge}/v2/models/text_embedding/infer"
-        self._chat_url = f"http://{info.edge}/v1/chat/completions" if llm else None
         self.tally = Tally()
+        self._llm = LlmCaller(info.edge, self._channels, self._rng, self.tally.add) if llm else None
 
     async def run(self, callers: int, seconds: float) -> None:
         """``callers`` callers back to back until ``seconds`` have passed."""
@@ -206,8 +187,8 @@ class Storm:
         while time.monotonic() < end:
             model = self._rng.choice(list(self._requests))
             ending = self._rng.choice(("whole", "deadline", "cancel"))
-            if self._chat_url is not None and self._rng.random() < LLM_SHARE:
-                await self._chat(session, ending)
+            if self._llm is not None and self._rng.random() < LLM_SHARE:
+                await self._llm.call(session, ending)
                 continue
             if model == "text_embedding" and self._rng.random() < 0.25:
                 await self._rest(session, ending)
@@ -249,37 +230,6 @@ class Storm:
             self.tally.add(ending, "rest", "DEADLINE_EXCEEDED")
         except aiohttp.ClientError as exc:
             self.tally.add(ending, "rest", type(exc).__name__, str(exc))
-
-    async def _chat(self, session: aiohttp.ClientSession, ending: str) -> None:
-        """A streamed chat completion through Envoy: read to its end, or given up
-        after a few of its chunks (``cancel``) or a short time (``deadline``)."""
-        assert self._chat_url is not None
-        seconds = self._rng.uniform(0.05, 1.0) if ending == "deadline" else LLM_TIMEOUT_S
-        keep = self._rng.randint(0, 4) if ending == "cancel" else None
-        body = CHAT_BODY
-        if ending != "whole":
-            body = {**CHAT_BODY, "max_tokens": ABANDONED_TOKENS, "ignore_eos": True}
-        try:
-            async with session.post(
-                self._chat_url, json=body, timeout=aiohttp.ClientTimeout(total=seconds)
-            ) as reply:
-                if reply.status != 200:
-                    self.tally.add(ending, "chat", f"HTTP {reply.status}", await reply.text())
-                    return
-                chunks = 0
-                async for line in reply.content:
-                    if line.startswith(b"data: [DONE]"):
-                        self.tally.add(ending, "chat", "OK")
-                        return
-                    chunks += line.startswith(b"data:")
-                    if keep is not None and chunks > keep:
-                        self.tally.add(ending, "chat", "CANCELLED")
-                        return  # leaving the block closes the connection
-                self.tally.add(ending, "chat", "no [DONE]")
-        except TimeoutError:
-            self.tally.add(ending, "chat", "DEADLINE_EXCEEDED")
-        except aiohttp.ClientError as exc:
-            self.tally.add(ending, "chat", type(exc).__name__, str(exc))
 
 
 # -- the checks after ------------------------------------------------------------
@@ -353,23 +303,8 @@ async def health(info: MeshInfo, seconds: float, llm: bool) -> dict[str, Health]
     finally:
         await channel.close()
     if llm:
-        found["llm"] = Health(None, await chat_p50(info))
+        found["llm"] = Health(None, await chat_p50(info.edge))
     return found
-
-
-async def chat_p50(info: MeshInfo, calls: int = 5) -> float:
-    """The median time of a short, whole, unstreamed chat completion through Envoy."""
-    body = {**CHAT_BODY, "stream": False, "max_tokens": 8}
-    times = []
-    async with aiohttp.ClientSession() as session:
-        for _ in range(calls):
-            started = time.perf_counter()
-            async with session.post(f"http://{info.edge}/v1/chat/completions", json=body) as reply:
-                if reply.status != 200:
-                    raise RuntimeError(f"llm: HTTP {reply.status} under the health load")
-                await reply.read()
-            times.append((time.perf_counter() - started) * 1000)
-    return float(np.median(times))
 
 
 # -- one mesh --------------------------------------------------------------------
@@ -445,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=46)
     parser.add_argument("--seconds", type=float, default=4.0, help="each health window")
     parser.add_argument(
-        "--llm", action="store_true", help="the LLM too: a tenth of the calls streamed chats"
+        "--llm", action="store_true", help="the LLM too: a tenth of the calls streamed LLM calls"
     )
     settings = parser.parse_args(argv)
     models = MODELS + LLM_MODELS if settings.llm else MODELS
