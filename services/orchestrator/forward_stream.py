@@ -197,6 +197,8 @@ class ForwardStream:
             if self.packed:
                 room = self._limit - sum(map(len, ids))
                 taken = fitting_count((size for _, _, size in self._waiting), room)
+                if ids and taken and self._waiting[0][2] > room:
+                    taken = 0  # beside the withdrawals it would pass the limit: they go alone
             batch, self._waiting = self._waiting[:taken], self._waiting[taken:]
             try:
                 async with self._writing:

@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 
 from inference import grpc_service_pb2 as pb
+from services.orchestrator.forward_stream import ForwardStream
 from shared import forwarding
 from shared.errors import MeshError
 from shared.servicer import stream_failure
 from shared.tensors import decode_outputs, encode_inputs
-from shared.wireformat import repeated, repeated_field, with_id
+from shared.wireformat import id_field, repeated, repeated_field, with_id
 from tests.conftest import DATA
 from tests.in_process import Mesh, running
 
@@ -110,6 +111,44 @@ def test_a_withdrawn_request_is_answered_cancelled_and_the_stream_goes_on(repo: 
                     answers[answer.infer_response.id] = answer
             assert not answers["busy-0"].error_message and not answers["busy-1"].error_message
             await call.done_writing()
+
+    async def run() -> None:
+        async with running(repo) as mesh:
+            await asyncio.wait_for(scenario(mesh), 30)
+
+    asyncio.run(run())
+
+
+def test_a_withdrawal_never_makes_a_message_larger_than_the_limit(
+    repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A withdrawal written with the next request must still fit the largest
+    message: beside a request that fills the limit alone, it goes in a message of
+    its own (over the limit, the stage would refuse the message and fail every
+    request on the stream)."""
+    sizes: list[int] = []
+    read_pack = forwarding.read_pack
+
+    def recorded(data: bytes) -> forwarding.Pack:
+        sizes.append(len(data))
+        return read_pack(data)
+
+    monkeypatch.setattr(forwarding, "read_pack", recorded)
+
+    async def scenario(mesh: Mesh) -> None:
+        full = slow(1).SerializeToString()
+        limit = forwarding.packed_size(len(full) + len(id_field("~1")))  # the second tag
+        async with grpc.aio.insecure_channel(mesh.stages[0].address) as channel:
+            stream = ForwardStream(channel, packed=True, limit=limit)
+            gone = asyncio.create_task(stream.infer(slow(1000).SerializeToString(), "gone"))
+            await asyncio.sleep(0.3)  # written, and running at the stage
+            kept = asyncio.create_task(stream.infer(full, "kept"))
+            gone.cancel()  # the withdrawal waits to be written with ``kept``
+            assert waited(pb.ModelInferResponse.FromString(await kept)) == 1
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+            stream.cancel()
+        assert len(sizes) == 3 and max(sizes) <= limit, (sizes, limit)
 
     async def run() -> None:
         async with running(repo) as mesh:
