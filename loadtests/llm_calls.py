@@ -120,6 +120,8 @@ class LlmCaller:
             self._record(ending, door, "DEADLINE_EXCEEDED", "")
         except aiohttp.ClientError as exc:
             self._record(ending, door, type(exc).__name__, str(exc))
+        except ValueError as exc:
+            self._record(ending, door, "event not JSON", str(exc))
 
     async def _stream(
         self, channel: grpc.aio.Channel, door: str, ending: str, seconds: float, keep: int | None
@@ -151,9 +153,11 @@ class LlmCaller:
 
 
 def _last_event(door: str, line: bytes) -> bool:
+    """Whether this SSE ``data:`` line ends the stream; ValueError if it is not JSON."""
     if door == "chat":
         return line.startswith(b"data: [DONE]")
-    return "finish_reason" in json.loads(line[len(b"data:") :])
+    event = json.loads(line[len(b"data:") :])
+    return isinstance(event, dict) and "finish_reason" in event
 
 
 async def chat_p50(edge: str, calls: int = 5) -> float:
