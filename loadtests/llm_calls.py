@@ -11,6 +11,7 @@ import json
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -54,6 +55,16 @@ def chat_body(ending: str, stream: bool = True) -> dict[str, Any]:
     return {"model": "llm", "messages": messages, "stream": stream, **_sampling(ending)}
 
 
+@dataclass(frozen=True)
+class End:
+    """How one call ends: ``ending`` (whole, cancel or deadline), its deadline, and
+    for a cancel how many chunks are read before the call is closed."""
+
+    ending: str
+    seconds: float
+    keep: int | None
+
+
 class LlmCaller:
     """One streamed LLM call at a time, through a door picked at random."""
 
@@ -72,18 +83,18 @@ class LlmCaller:
     async def call(self, session: aiohttp.ClientSession, ending: str) -> None:
         """One call that ends as ``ending`` says: whole, cancel or deadline."""
         seconds = self._rng.uniform(0.05, 1.0) if ending == "deadline" else LLM_TIMEOUT_S
-        keep = self._rng.randint(0, 4) if ending == "cancel" else None
+        end = End(ending, seconds, self._rng.randint(0, 4) if ending == "cancel" else None)
         door = self._rng.choice(("chat", "generate", *self._channels))
         if door == "chat":
             url = f"http://{self._edge}/v1/chat/completions"
-            await self._sse(session, door, url, chat_body(ending), ending, seconds, keep)
+            await self._sse(session, door, url, chat_body(ending), end)
         elif door == "generate":
             url = f"http://{self._edge}/v2/models/llm/generate_stream"
             body = {"text_input": PROMPT, "parameters": _sampling(ending)}
-            await self._sse(session, door, url, body, ending, seconds, keep)
+            await self._sse(session, door, url, body, end)
         else:
             channel = self._rng.choice(self._channels[door])
-            await self._stream(channel, f"llm {door}", ending, seconds, keep)
+            await self._stream(channel, f"llm {door}", end)
 
     async def _sse(
         self,
@@ -91,15 +102,14 @@ class LlmCaller:
         door: str,
         url: str,
         body: dict[str, Any],
-        ending: str,
-        seconds: float,
-        keep: int | None,
+        end: End,
     ) -> None:
         """An SSE stream through Envoy; its end is OpenAI's ``[DONE]`` or the KServe
         event that carries a finish reason."""
+        ending, keep = end.ending, end.keep
         try:
             async with session.post(
-                url, json=body, timeout=aiohttp.ClientTimeout(total=seconds)
+                url, json=body, timeout=aiohttp.ClientTimeout(total=end.seconds)
             ) as reply:
                 if reply.status != 200:
                     self._record(ending, door, f"HTTP {reply.status}", await reply.text())
@@ -123,16 +133,15 @@ class LlmCaller:
         except ValueError as exc:
             self._record(ending, door, "event not JSON", str(exc))
 
-    async def _stream(
-        self, channel: grpc.aio.Channel, door: str, ending: str, seconds: float, keep: int | None
-    ) -> None:
+    async def _stream(self, channel: grpc.aio.Channel, door: str, end: End) -> None:
         """Triton's decoupled stream: responses until the one marked final."""
+        ending, keep = end.ending, end.keep
         request = pb.ModelInferRequest(model_name="llm")
         sampling = json.dumps(_sampling(ending)).encode()
         inputs = {"PROMPT": [PROMPT.encode()], "SAMPLING": [sampling]}
         encode_inputs(request, {k: np.array(v, dtype=object) for k, v in inputs.items()})
         stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
-        call = stub.ModelStreamInfer(iter([request]), timeout=seconds)
+        call = stub.ModelStreamInfer(iter([request]), timeout=end.seconds)
         chunks = 0
         try:
             async for message in call:
