@@ -64,11 +64,11 @@ from common import (
     format_table,
     install_sigterm_exit,
     missing_models,
+    rss_mib,
 )
 from common import closed_loop as run_closed_loop
 from fault_runs import embedding_request, image_request
 from llm_calls import ENGINE_GAUGES, LLM_MODELS, LLM_SHARE, LlmCaller, chat_p50
-from reliability import rss_mib
 
 from deploy.local.procfs import start_ticks
 from inference import grpc_service_pb2 as pb

@@ -94,6 +94,17 @@ def own_cpu_seconds() -> float:
     return times.user + times.system
 
 
+def rss_mib(pid: int) -> float:
+    """Resident memory of ``pid`` (NaN once gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
 def child_named(pid: int, name: str) -> int | None:
     """The child of ``pid`` whose command name is ``name`` (e.g. the real ``envoy``)."""
     for child in child_pids(pid):

@@ -4,7 +4,7 @@
                                     [--fuzz-cases 10000] [--seed 24] [--soak-minutes 30]
                                     [--in-flight 16] [--overload-in-flight 256]
                                     [--overload-queued-batches N]
-                                    [--skip fuzz,faults,single,soak,overload,abuse]
+                                    [--skip fuzz,faults,single,soak,overload,abuse,storm]
                                     [--without-llm] [--standby on|off|yaml]
 
 In order, each on the default models (the LLM included) under the supervisor:
@@ -34,6 +34,10 @@ In order, each on the default models (the LLM included) under the supervisor:
    a well-behaved client keeps calling (all its calls answered; the slow and
    idle connections closed at Envoy's timeouts). ``--overload-queued-batches N``
    overloads a second mesh whose stages set ``default_queued_batches: N``.
+7. ``storm`` (``loadtests/cancel_storm.py --layout both``, ``--llm`` unless
+   ``--without-llm``): callers that give up by deadline, cancel or closed
+   connection, on a mesh of the ensembles' models, and whether that mesh is
+   whole afterwards.
 
 Each part prints its table. The exit status is 1 when an expectation failed.
 """
@@ -57,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 import abuse
+import cancel_storm
 import faults
 import fuzzer
 import grpc
@@ -69,6 +74,7 @@ from common import (
     format_table,
     install_sigterm_exit,
     missing_models,
+    rss_mib,
     running_mesh,
     start_supervisor,
 )
@@ -191,17 +197,6 @@ def run_fuzz(info: dict[str, Any], cases: int, seed: int) -> bool:
     return not result.findings and not restarts
 
 
-def rss_mib(pid: int) -> float:
-    """Resident memory of ``pid`` (NaN once gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
 def run_soak(info: dict[str, Any], minutes: float, in_flight: int, chat: bool = True) -> bool:
     """Mixed load for ``minutes``: 1 call in 8 a chat with the LLM (unless not
     ``chat``); RSS per process."""
@@ -289,7 +284,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--idle", type=int, default=1000, help="idle connections")
     parser.add_argument("--half-open", type=int, default=500, help="half-open requests")
     parser.add_argument(
-        "--skip", default="", help="comma-separated: fuzz,faults,single,soak,overload,abuse"
+        "--skip", default="", help="comma-separated: fuzz,faults,single,soak,overload,abuse,storm"
     )
     return parser.parse_args(argv)
 
@@ -339,6 +334,10 @@ def run_parts(args: argparse.Namespace, skip: set[str]) -> bool:
         fine &= run_overload_and_abuse(args, skip)
     if "overload" not in skip and args.overload_queued_batches is not None:
         fine &= run_bounded_overload(args)
+    if "storm" not in skip:
+        llm = [] if args.without_llm else ["--llm"]
+        storm = ["--repository", str(args.repository), "--layout", "both", "--seed", str(args.seed)]
+        fine &= cancel_storm.main([*storm, *llm]) == 0
     print("all expectations held" if fine else "SOME EXPECTATIONS FAILED")
     return fine
 
