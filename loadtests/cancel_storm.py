@@ -10,10 +10,11 @@ an HTTP client that closes its connection. Each leaves work behind in the
 mesh: a queued request to drop, a batch to finish for the others, a forwarded
 step whose answer nobody waits for. This run checks that none of it sticks.
 
-On a mesh of the two ensembles and their steps (no LLM), stages each in a
-process or all in one (``--layout``):
+On a mesh of the two ensembles and their steps (and the LLM's, with
+``--llm``), stages each in a process or all in one (``--layout``):
 
-1. **before**: each ensemble at 16 in flight (req/s) and at 1 in flight (p50);
+1. **before**: each ensemble at 16 in flight (req/s) and at 1 in flight (p50),
+   and with ``--llm`` a short chat completion's p50;
 2. **the storm**: ``--callers`` callers for ``--storm-s``; each call picks at
    random (seeded) a model (both ensembles, and ``minilm`` and
    ``mobilenet_v2_onnx`` alone), a door (the orchestrator's gRPC port or
