@@ -11,6 +11,7 @@ its queue bounded to 4) and the orchestrator, in the test's event loop.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import grpc
 import numpy as np
 import pytest
 
+from gateway.http.in_orchestrator import HttpDoor, OrchestratorHttpConfig
 from inference import grpc_service_pb2 as pb
 from services.orchestrator.forward_stream import ForwardStream
 from shared import forwarding
@@ -71,6 +73,55 @@ def test_cancelled_requests_leave_the_stage_queue(repo: Path, deadline_s: float 
         others = await asyncio.gather(*(infer(i) for i in range(QUEUE)))
         assert [waited(answer) for answer in others] == list(range(QUEUE))
         assert [waited(await call) for call in busy] == [1500, 1500]
+
+    async def run() -> None:
+        async with running(repo) as mesh:
+            await asyncio.wait_for(scenario(mesh), 30)
+
+    asyncio.run(run())
+
+
+async def _hung_up(address: str, ms: int) -> None:
+    """A KServe v2 REST call to ``slow`` whose client closes its connection 0.3 s
+    after sending it, unanswered."""
+    body = json.dumps({"inputs": [{"name": "MS", "shape": [1], "datatype": "INT32", "data": [ms]}]})
+    head = (
+        f"POST /v2/models/slow/infer HTTP/1.1\r\nHost: {address}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(head.encode() + body.encode())
+    await writer.drain()
+    with pytest.raises(TimeoutError):  # no answer yet: the request waits at the stage
+        await asyncio.wait_for(reader.read(1), 0.3)
+    writer.close()
+    await writer.wait_closed()
+
+
+def test_a_rest_client_that_hangs_up_leaves_the_stage_queue(repo: Path) -> None:
+    """As above through the orchestrator's own HTTP front door: a client that closes
+    its connection while its request waits at the stage takes that request out of
+    the queue (the door's handler is cancelled, and with it the core's call)."""
+
+    async def scenario(mesh: Mesh) -> None:
+        config = OrchestratorHttpConfig(http_port=0, grace_period_s=1.0)
+        door = HttpDoor(config, mesh.core, mesh.orchestrator.parts)
+        address = await door.start(mesh.orchestrator.address)
+
+        async def infer(ms: int) -> pb.ModelInferResponse:
+            return await mesh.v2.ModelInfer(slow(ms))
+
+        try:
+            busy = [asyncio.create_task(infer(1500)) for _ in range(2)]
+            await asyncio.sleep(0.3)
+            await asyncio.gather(*(_hung_up(address, 1000) for _ in range(QUEUE)))
+            await asyncio.sleep(0.2)
+            others = await asyncio.gather(*(infer(i) for i in range(QUEUE)))
+            assert [waited(answer) for answer in others] == list(range(QUEUE))
+            assert [waited(await call) for call in busy] == [1500, 1500]
+        finally:
+            await door.drain()
 
     async def run() -> None:
         async with running(repo) as mesh:
