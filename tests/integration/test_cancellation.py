@@ -2,9 +2,10 @@
 
 Through the orchestrator, a request with a deadline is a ModelInfer call of its
 own to the stage, and one without rides a stream of forwarded requests
-(services/orchestrator/forward_stream.py); either way, once its caller cancels,
-the stage stops it, so that work nobody waits for holds no place in a bounded
-queue that other callers need. A real stage (the python backend's ``slow``,
+(services/orchestrator/forward_stream.py); either way, once its caller cancels
+(or, at the orchestrator's HTTP front door, closes its connection), the stage
+stops it, so that work nobody waits for holds no place in a bounded queue that
+other callers need. A real stage (the python backend's ``slow``,
 its queue bounded to 4) and the orchestrator, in the test's event loop.
 """
 
