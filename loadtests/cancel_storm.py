@@ -236,11 +236,15 @@ class Storm:
 # -- the checks after ------------------------------------------------------------
 
 
+def metrics_text(port: int) -> str:
+    """A process's Prometheus page."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        return str(reply.read().decode())
+
+
 def edge_closes(info: MeshInfo) -> float:
     """Connections Envoy's edge closed for too many premature resets (Rapid Reset)."""
-    port = info.metrics_ports["envoy"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
+    text = metrics_text(info.metrics_ports["envoy"])
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -253,9 +257,7 @@ def pending_counts(info: MeshInfo) -> dict[str, float]:
     """Every process's pending requests, by process and model (non-zero only)."""
     found: dict[str, float] = {}
     for process, port in info.metrics_ports.items():
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-            text = reply.read().decode()
-        for line in text.splitlines():
+        for line in metrics_text(port).splitlines():
             if line.startswith(("nv_inference_pending_request_count{", *ENGINE_GAUGES)):
                 labels, value = line.rsplit(" ", 1)
                 if float(value):
