@@ -1,7 +1,7 @@
 """Throughput of the inference service with and without dynamic batching (MobileNetV2).
 
     python loadtests/bench_inference.py [--model mobilenet_v2_onnx] [--kind cpu|gpu]
-                                        [--seconds 8] [--quick]
+                                        [--seconds 8] [--quick] [--repository PATH]
 
 In order:
 
@@ -130,6 +130,8 @@ class Settings:
     """gRPC channels (each its own HTTP/2 connection) the load is spread over."""
     cache: Path
     """The models.prepare cache folder."""
+    repository: Path | None = None
+    """A prepared repository to take the model from as it is (None: prepare it in ``cache``)."""
 
     @property
     def floor(self) -> FloorSettings:
@@ -188,7 +190,9 @@ def config_text(name: str, backend: str, settings: Settings, batched: bool) -> s
 
 def build_repository(root: Path, settings: Settings) -> dict[str, str]:
     """Write ``<model>_batched`` and ``<model>_unbatched`` under ``root``; label -> name."""
-    source = prepare_repository(settings.cache, models=[settings.model], echo=lambda _: None)
+    source = settings.repository or prepare_repository(
+        settings.cache, models=[settings.model], echo=lambda _: None
+    )
     model_file = source / settings.model / "1" / MODEL_FILES[settings.model]
     backend = ModelRepository(source).entry(settings.model).config.backend
     names = {}
@@ -453,6 +457,12 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     parser.add_argument("--channels", type=int, default=4, help="gRPC connections of the load")
     parser.add_argument("--in-flight", default="1,16,64", help="concurrency levels")
     parser.add_argument("--cache", type=Path, default=None, help="models.prepare cache")
+    parser.add_argument(
+        "--repository",
+        type=Path,
+        default=None,
+        help="a prepared repository, used as it is (a host without the model wheels)",
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     if args.kind == "gpu" and args.model == "mobilenet_v2_onnx":
@@ -474,6 +484,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         attempts=1 if quick else max(1, args.attempts),
         channels=args.channels,
         cache=args.cache or default_cache(),
+        repository=args.repository,
     )
 
 

@@ -186,7 +186,7 @@ class MeshInfo:
 
     orchestrator: str
     edge: str
-    """Envoy's port: HTTP/JSON, gRPC and grpc-web."""
+    """Envoy's port: HTTP/JSON, gRPC and grpc-web ("" in a mesh without the edge)."""
     pids: dict[str, int]
     """Process label -> PID: every service, ``envoy`` being the real Envoy binary."""
     supervisor_pid: int
@@ -281,17 +281,22 @@ def _wait_ready(proc: subprocess.Popen[str], timeout_s: float, log_path: Path) -
 def _mesh_info(ready: Mapping[str, Any], supervisor_pid: int) -> MeshInfo:
     processes = ready["processes"]
     pids = {name: int(item["pid"]) for name, item in processes.items()}
-    envoy = child_named(pids["envoy"], "envoy")
-    if envoy is None:
-        raise RuntimeError(f"no envoy child under gateway.envoy.main (pid {pids['envoy']})")
-    pids["envoy_wrapper"], pids["envoy"] = pids["envoy"], envoy
+    if "envoy" in pids:  # absent in a mesh without the edge (supervisor.edge: false)
+        envoy = child_named(pids["envoy"], "envoy")
+        if envoy is None:
+            raise RuntimeError(f"no envoy child under gateway.envoy.main (pid {pids['envoy']})")
+        pids["envoy_wrapper"], pids["envoy"] = pids["envoy"], envoy
     metrics = {
         name: int(item["metrics_port"])
         for name, item in processes.items()
         if int(item.get("metrics_port", -1)) > 0
     }
     return MeshInfo(
-        ready["orchestrator"], processes["envoy"]["grpc"], pids, supervisor_pid, metrics
+        ready["orchestrator"],
+        processes.get("envoy", {}).get("grpc", ""),
+        pids,
+        supervisor_pid,
+        metrics,
     )
 
 
