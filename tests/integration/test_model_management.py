@@ -7,6 +7,8 @@ is visible next to the assertions.
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -325,3 +327,23 @@ def test_kind_gpu_without_cuda_fails_to_load_with_a_clear_message(
     assert "KIND_GPU" in caught.value.details()
     assert "CUDA is not available" in caught.value.details()
     assert_still_serves(stub)
+
+
+@pytest.mark.skipif(cuda_device_count() > 0, reason="this host has CUDA; see scripts/gpu_check.py")
+def test_the_gpu_check_script_on_a_host_without_cuda_checks_the_refusal() -> None:
+    """``make gpu-check`` on a CPU host: the service stays up and reports each
+    KIND_GPU model UNAVAILABLE with its reason, and the script says PASS."""
+    prepare_repository(cache_dir(), models=["mlp", "mobilenet_v2"], echo=lambda _: None)
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, str(root / "scripts" / "gpu_check.py"), "--cache", str(cache_dir())],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert "CUDA not available" in done.stdout
+    refusal = next(line for line in done.stdout.splitlines() if line.startswith("KIND_GPU"))
+    assert "| PASS" in refusal and "KIND_GPU" in refusal.split("|")[2], refusal
