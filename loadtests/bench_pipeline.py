@@ -2,7 +2,7 @@
 
     python loadtests/bench_pipeline.py [--pipeline image_classifier|text_embedding]
         [--tracing on|off] [--seconds 5] [--rounds 2] [--in-flight 1,16,64] [--quick]
-        [--layout separate|colocated|both]
+        [--layout separate|colocated|both] [--without-edge]
 
 In order:
 
@@ -188,6 +188,8 @@ class Settings:
     layouts: tuple[bool, ...]
     """The meshes to load, one after the other: False each stage in its own
     process, True the stages in one (``Pipeline.colocated``)."""
+    edge: bool = True
+    """Start the edge (Envoy) with the mesh; the load goes to the orchestrator either way."""
 
 
 # -- the floor: the three steps in one process ---------------------------------
@@ -673,6 +675,11 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         action="store_true",
         help="also load with a deadline per request, interleaved",
     )
+    parser.add_argument(
+        "--without-edge",
+        action="store_true",
+        help="start the mesh without Envoy (a host without its binary)",
+    )
     args = parser.parse_args(argv)
     load, levels = load_from_flags(args)
     return Settings(
@@ -686,6 +693,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         args.threads,
         args.with_deadline,
         {"separate": (False,), "colocated": (True,), "both": (False, True)}[args.layout],
+        edge=not args.without_edge,
     )
 
 
@@ -706,10 +714,11 @@ def pipeline_mesh(
     *,
     tree: Path = ROOT,
     environment: Mapping[str, str] | None = None,
+    edge: bool = True,
 ) -> Iterator[MeshInfo]:
     """The local mesh on the pipeline's (or layout's) models alone (no LLM), tracing
     on or off, no batch jobs; stopped by PID on exit. ``tree``: the checkout whose code it runs;
-    ``environment``: set in its processes' environment."""
+    ``environment``: set in its processes' environment; ``edge``: start Envoy too."""
     with tempfile.TemporaryDirectory(prefix="meshserve-pipeline-") as tmp:
         folder = Path(tmp)
         repository = subset_repository(source, pipe.models, folder)
@@ -717,6 +726,7 @@ def pipeline_mesh(
         supervisor = document.setdefault("supervisor", {})
         supervisor["trace_store"] = tracing
         supervisor["jobs"] = {"enabled": False}
+        supervisor["edge"] = edge
         if pipe.colocated:
             document = colocated(document)  # as `meshserve serve --colocate` does
         config = folder / "mesh.yaml"
@@ -777,7 +787,7 @@ async def mesh_run(
     pipe: Pipeline, payload: bytes, settings: Settings, neighbour: NeighbourFloor
 ) -> tuple[list[LoadResult], list[Pair]]:
     """Start the mesh, check one answer, load it; stop it."""
-    with pipeline_mesh(settings.repository, pipe, settings.tracing) as info:
+    with pipeline_mesh(settings.repository, pipe, settings.tracing, edge=settings.edge) as info:
         outputs = await mesh_answer(info.orchestrator, payload)
         tracing = "on" if settings.tracing else "off"
         print(
