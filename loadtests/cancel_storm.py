@@ -48,7 +48,6 @@ import json
 import random
 import sys
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -75,6 +74,7 @@ from deploy.local.procfs import start_ticks
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.tensors import encode_inputs
+from tests.harness import scrape_metrics
 
 MODELS = (
     "text_embedding",
@@ -236,32 +236,27 @@ class Storm:
 # -- the checks after ------------------------------------------------------------
 
 
-def metrics_text(port: int) -> str:
-    """A process's Prometheus page."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        return str(reply.read().decode())
+PENDING_GAUGES = ("nv_inference_pending_request_count", *ENGINE_GAUGES)
+"""What every process must bring back to 0 once the storm is over."""
 
 
 def edge_closes(info: MeshInfo) -> float:
     """Connections Envoy's edge closed for too many premature resets (Rapid Reset)."""
-    text = metrics_text(info.metrics_ports["envoy"])
     return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("envoy_http_downstream_rq_too_many_premature_resets{")
-        and 'prefix="edge"' in line
+        value
+        for (name, labels), value in scrape_metrics(info.metrics_ports["envoy"]).items()
+        if name == "envoy_http_downstream_rq_too_many_premature_resets"
+        and ("envoy_http_conn_manager_prefix", "edge") in labels
     )
 
 
 def pending_counts(info: MeshInfo) -> dict[str, float]:
-    """Every process's pending requests, by process and model (non-zero only)."""
+    """Every process's pending requests, by process, gauge and model (non-zero only)."""
     found: dict[str, float] = {}
     for process, port in info.metrics_ports.items():
-        for line in metrics_text(port).splitlines():
-            if line.startswith(("nv_inference_pending_request_count{", *ENGINE_GAUGES)):
-                labels, value = line.rsplit(" ", 1)
-                if float(value):
-                    found[f"{process} {labels[labels.index('{') :]}"] = float(value)
+        for (name, labels), value in scrape_metrics(port).items():
+            if name in PENDING_GAUGES and value:
+                found[f"{process} {name} {dict(sorted(labels))}"] = value
     return found
 
 
