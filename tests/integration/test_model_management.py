@@ -25,7 +25,7 @@ from models.prepare import prepare_repository
 from shared.model import cuda_device_count
 from shared.tensors import decode_outputs, encode_inputs
 from tests.conftest import DATA, cache_dir
-from tests.harness import ServiceProcess
+from tests.harness import ROOT, ServiceProcess
 
 SLOW_CODE = DATA / "models" / "slow" / "1" / "model.py"
 
@@ -334,10 +334,9 @@ def test_the_gpu_check_script_on_a_host_without_cuda_checks_the_refusal() -> Non
     """``make gpu-check`` on a CPU host: the service stays up and reports each
     KIND_GPU model UNAVAILABLE with its reason, and the script says PASS."""
     prepare_repository(cache_dir(), models=["mlp", "mobilenet_v2"], echo=lambda _: None)
-    root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
-        [sys.executable, str(root / "scripts" / "gpu_check.py"), "--cache", str(cache_dir())],
-        cwd=root,
+        [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--cache", str(cache_dir())],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
