@@ -62,6 +62,10 @@ class ServiceConfig(BaseModel):
     """Root log level."""
     log_format: Literal["text", "json"] = "text"
     """Log lines as text, or as JSON with the current trace_id and span_id (shared/logs.py)."""
+    allow_client_shm: bool = False
+    """Let callers register system shared-memory regions and pass tensors through them
+    (Triton's --allow-client-shm): only where every caller may read this host's
+    shared memory."""
     mtls_cert: Path | None = None
     """Mutual TLS between services (with mtls_key, mtls_ca): this process's certificate
     chain (PEM), served on its port and shown to the services it calls."""

@@ -11,6 +11,7 @@ HTTP statuses, so the two maps cannot drift apart.
     ├── InvalidArgument            (INVALID_ARGUMENT: bad tensor, field, config)
     │   └── ConfigError            (a config file is wrong: names file and line)
     ├── NotFound                   (NOT_FOUND: unknown model or version)
+    ├── AlreadyExists              (ALREADY_EXISTS: a name registered twice)
     ├── Overloaded                 (RESOURCE_EXHAUSTED: queue full, rate limit)
     ├── Unavailable                (UNAVAILABLE: not ready, draining, stage down)
     │   └── RequestTimeout         (UNAVAILABLE: queue timeout with REJECT)
@@ -78,6 +79,13 @@ class NotFound(MeshError):
     http_status = 404
 
 
+class AlreadyExists(MeshError):
+    """A name that must be unique is taken (a shared-memory region registered twice)."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+    http_status = 409
+
+
 class Overloaded(MeshError):
     """A bounded queue is full, or a rate limit applies."""
 
@@ -132,6 +140,7 @@ def error_for_status(code: grpc.StatusCode, message: str) -> MeshError:
     for cls in (
         InvalidArgument,
         NotFound,
+        AlreadyExists,
         Overloaded,
         Unavailable,
         DeadlineExceeded,

@@ -11,10 +11,9 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
-from google.protobuf.message import Message
 
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
@@ -40,6 +39,8 @@ from shared.forwarding import (
 from shared.manager import ModelManager
 from shared.model import ModelVersion
 from shared.request import InferRequest, InferResponse
+from shared.shared_memory import REGION, SharedMemoryRegions
+from shared.shared_memory_servicer import SharedMemoryMethods
 from shared.statistics import Duration, ModelStats
 from shared.stream_tasks import StreamTasks
 from shared.tensors import decode_inputs, encode_outputs, parameters_to_dict, set_parameter
@@ -57,6 +58,7 @@ EXTENSIONS = (
     "binary_tensor_data",
     "parameters",
 )
+SHARED_MEMORY_EXTENSION = "system_shared_memory"
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 FINAL_RESPONSE = "triton_final_response"
 """Response parameter: true on the last response to a request (Triton's name)."""
@@ -68,6 +70,11 @@ upstream gathered (the orchestrator's ensemble queue), so the model's batcher
 sends it without waiting for others to join (``InferRequest.gathered``)."""
 STATUS_CODE = "meshserve_status_code"
 """Parameter of an in-stream error response: the gRPC status code, as an integer."""
+
+
+def extensions(regions: SharedMemoryRegions) -> list[str]:
+    """The protocol extensions a server reports: system shared memory where allowed."""
+    return [*EXTENSIONS, SHARED_MEMORY_EXTENSION] if regions.allowed else list(EXTENSIONS)
 
 
 def to_domain(request: pb.ModelInferRequest) -> InferRequest:
@@ -113,14 +120,15 @@ def to_proto(
 
 
 def refuse_shared_memory(request: pb.ModelInferRequest) -> None:
-    """UNIMPLEMENTED for a tensor placed in a shared-memory region (which would
-    otherwise read as an input without data, or an output parameter ignored)."""
+    """UNIMPLEMENTED for a tensor still placed in a shared-memory region where the
+    regions were not resolved (a stream's request: regions serve ModelInfer), which
+    would otherwise read as an input without data or an output parameter ignored."""
     for kind, tensors in (("input", request.inputs), ("output", request.outputs)):
         for tensor in tensors:
-            if "shared_memory_region" in tensor.parameters:
+            if REGION in tensor.parameters:
                 raise Unimplemented(
-                    f"{kind} '{tensor.name}': shared-memory tensors are not supported by "
-                    "meshserve; send tensors in raw_input_contents and read raw_output_contents"
+                    f"{kind} '{tensor.name}': shared-memory tensors are served on ModelInfer, "
+                    "not on streams; send tensors in raw_input_contents"
                 )
 
 
@@ -234,12 +242,17 @@ def stats_to_proto(name: str, version: int, stats: ModelStats) -> pb.ModelStatis
     return message
 
 
-class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
+class BaseServicer(SharedMemoryMethods, pb_grpc.GRPCInferenceServiceServicer):
     """The RPCs every v2 server in the mesh answers the same way; ``max_message_bytes``:
-    the largest message its server sends."""
+    the largest message its server sends; ``regions``: its shared-memory regions."""
 
-    def __init__(self, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+    def __init__(
+        self,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        regions: SharedMemoryRegions | None = None,
+    ) -> None:
         self.max_message_bytes = max_message_bytes
+        self.regions = SharedMemoryRegions(allowed=False) if regions is None else regions
         self._log_settings: dict[str, Any] = {
             "log_info": True,
             "log_warning": True,
@@ -261,7 +274,7 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
         context: grpc.aio.ServicerContext[pb.ServerMetadataRequest, pb.ServerMetadataResponse],
     ) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(
-            name=SERVER_NAME, version=SERVER_VERSION, extensions=list(EXTENSIONS)
+            name=SERVER_NAME, version=SERVER_VERSION, extensions=extensions(self.regions)
         )
 
     # The stubs type a streaming handler as a response iterator; this one writes
@@ -387,27 +400,17 @@ class BaseServicer(pb_grpc.GRPCInferenceServiceServicer):
                 setting.string_param = str(value)
         return response
 
-    async def _no_shared_memory(
-        self, request: Message, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> NoReturn:
-        raise Unimplemented(
-            "shared-memory tensors are not supported by meshserve; "
-            "send tensors in raw_input_contents"
-        )
-
-    SystemSharedMemoryStatus = _no_shared_memory
-    SystemSharedMemoryRegister = _no_shared_memory
-    SystemSharedMemoryUnregister = _no_shared_memory
-    CudaSharedMemoryStatus = _no_shared_memory
-    CudaSharedMemoryRegister = _no_shared_memory
-    CudaSharedMemoryUnregister = _no_shared_memory
-
 
 class InferenceServicer(BaseServicer):
     """GRPCInferenceService for a stage service's models."""
 
-    def __init__(self, manager: ModelManager, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
-        super().__init__(max_message_bytes)
+    def __init__(
+        self,
+        manager: ModelManager,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        regions: SharedMemoryRegions | None = None,
+    ) -> None:
+        super().__init__(max_message_bytes, regions)
         self.manager = manager
 
     async def ServerReady(
@@ -457,10 +460,14 @@ class InferenceServicer(BaseServicer):
         context: grpc.aio.ServicerContext[pb.ModelInferRequest, Any],
     ) -> pb.ModelInferResponse:
         model = self.manager.get(request.model_name, request.model_version)
+        placements = self.regions.resolve(request)
         domain = to_domain(request)
         wanted = classification(request, model.spec.config, model.spec.model_dir)
         response = _classified(wanted, await model.infer(domain))
-        return to_proto(domain, model.version, response, [o.name for o in model.spec.config.output])
+        order = [o.name for o in model.spec.config.output]
+        answer = to_proto(domain, model.version, response, order)
+        self.regions.place(answer, placements)
+        return answer
 
     async def stream_responses(
         self,

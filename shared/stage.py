@@ -30,6 +30,7 @@ from shared.queue_bounds import (
 from shared.repository import ModelRepository
 from shared.server import Hook, ServiceParts
 from shared.servicer import SERVICE_NAME, InferenceServicer, add_to_server
+from shared.shared_memory import SharedMemoryRegions
 from shared.statistics import Metrics
 from shared.tracing import make_tracer_provider, tracer_for
 
@@ -103,7 +104,9 @@ def build_stage_parts(config: StageConfig, backends: Mapping[str, Backend]) -> S
         config.queue_defaults(),
     )
     manager.starting = True  # until load_all is done: its models are loading, not unknown
-    parts.servicers = [(add_to_server, InferenceServicer(manager, config.max_message_bytes))]
+    regions = SharedMemoryRegions(config.allow_client_shm)
+    servicer = InferenceServicer(manager, config.max_message_bytes, regions)
+    parts.servicers = [(add_to_server, servicer)]
     context = StageContext(config, manager, parts.registry, tracer_for(provider, "meshserve.stage"))
     starts: list[Hook] = []
     stops: list[Hook] = []
@@ -117,7 +120,7 @@ def build_stage_parts(config: StageConfig, backends: Mapping[str, Backend]) -> S
         await manager.load_all(config.load_models or None)
 
     parts.on_start = [*starts, load]
-    parts.on_stop = [manager.unload_all, *stops]
+    parts.on_stop = [manager.unload_all, *stops, regions.close]
     return parts
 
 

@@ -213,11 +213,33 @@ async def trace_settings(request: web.Request) -> web.Response:
     return _json(documents.trace_settings(answer))
 
 
-async def shared_memory(request: web.Request) -> web.Response:
-    """/v2/{system,cuda}sharedmemory/...: status, register, unregister."""
+async def region_status(request: web.Request) -> web.Response:
+    """GET /v2/systemsharedmemory[/region/{region}]/status."""
+    message = pb.SystemSharedMemoryStatusRequest(name=request.match_info.get("region", ""))
+    answer = await _upstream(request).region_status(message)
+    return _json(documents.region_status(answer))
+
+
+async def region_register(request: web.Request) -> web.Response:
+    """POST /v2/systemsharedmemory/region/{region}/register."""
+    body = await _read_body(request)
+    message = documents.region_register_request(request.match_info["region"], body)
+    await _upstream(request).region_register(message)
+    return _json({})
+
+
+async def region_unregister(request: web.Request) -> web.Response:
+    """POST /v2/systemsharedmemory[/region/{region}]/unregister."""
+    message = pb.SystemSharedMemoryUnregisterRequest(name=request.match_info.get("region", ""))
+    await _upstream(request).region_unregister(message)
+    return _json({})
+
+
+async def cuda_shared_memory(request: web.Request) -> web.Response:
+    """/v2/cudasharedmemory/...: not served (tensors on a GPU travel in the body)."""
     raise Unimplemented(
-        "shared-memory tensors are not supported by meshserve; send tensors in the "
-        "request body (JSON 'data', or binary data after the JSON header)"
+        "CUDA shared memory is not supported by meshserve; send tensors in the request "
+        "body or in system shared memory"
     )
 
 
@@ -274,12 +296,13 @@ def build_app(state: AdapterState) -> web.Application:
     for path in ("/v2/trace/setting", model + "/trace/setting"):
         app.router.add_route("GET", path, trace_settings)
         app.router.add_route("POST", path, trace_settings)
-    for kind in ("system", "cuda"):
-        for region in ("", "/region/{region}"):
-            base = f"/v2/{kind}sharedmemory{region}"
-            app.router.add_get(base + "/status", shared_memory)
-            app.router.add_post(base + "/unregister", shared_memory)
-        app.router.add_post(f"/v2/{kind}sharedmemory/region/{{region}}/register", shared_memory)
+    for region in ("", "/region/{region}"):
+        app.router.add_get(f"/v2/systemsharedmemory{region}/status", region_status)
+        app.router.add_post(f"/v2/systemsharedmemory{region}/unregister", region_unregister)
+        app.router.add_get(f"/v2/cudasharedmemory{region}/status", cuda_shared_memory)
+        app.router.add_post(f"/v2/cudasharedmemory{region}/unregister", cuda_shared_memory)
+    app.router.add_post("/v2/systemsharedmemory/region/{region}/register", region_register)
+    app.router.add_post("/v2/cudasharedmemory/region/{region}/register", cuda_shared_memory)
     app.router.add_post("/v2/repository/index", repository_index)
     app.router.add_post("/v2/repository/models/{name}/load", model_load)
     app.router.add_post("/v2/repository/models/{name}/unload", model_unload)

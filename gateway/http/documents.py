@@ -134,3 +134,25 @@ def trace_settings(response: pb.TraceSettingResponse) -> dict[str, Any]:
         key: values[0] if len(values) == 1 and key != "trace_level" else values
         for key, values in ((k, list(v.value)) for k, v in response.settings.items())
     }
+
+
+def region_register_request(name: str, body: bytes) -> pb.SystemSharedMemoryRegisterRequest:
+    """``{"key": str, "offset": int, "byte_size": int}`` -> the register request."""
+    what = f"shared-memory region '{name:.200}'"
+    document = json_object(body, what)
+    key = document.get("key")
+    if not isinstance(key, str):
+        raise InvalidArgument(f"{what}: 'key' must be the shared-memory object's name")
+    sizes = {field: document.get(field, 0) for field in ("offset", "byte_size")}
+    for field, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
+            raise InvalidArgument(f"{what}: '{field}' must be a byte count, got {value!r:.40}")
+    return pb.SystemSharedMemoryRegisterRequest(name=name, key=key, **sizes)
+
+
+def region_status(answer: pb.SystemSharedMemoryStatusResponse) -> list[dict[str, Any]]:
+    """The regions as Triton's status list: name, key, offset, byte_size."""
+    return [
+        {"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
+        for r in answer.regions.values()
+    ]

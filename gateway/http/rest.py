@@ -11,7 +11,9 @@ wants all inputs raw or none, and raw is what every hop reads), so JSON data
 is encoded once, here (``json_tensors``). Outputs come back raw and leave
 as JSON ``data`` or as binary chunks after the JSON, per output
 (``parameters.binary_data``) or for all (``parameters.binary_data_output``);
-the adapter consumes these parameters and forwards all others unchanged.
+the adapter consumes these parameters and forwards all others unchanged. An
+input or output that names a shared-memory region has no data here: the core
+reads and writes the region (shared/shared_memory.py).
 
 Nothing here knows aiohttp: functions take and return bytes and protos.
 """
@@ -29,7 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.http.json_tensors import json_to_raw, raw_to_data
 from inference import grpc_service_pb2 as pb
-from shared.errors import InvalidArgument, Unimplemented
+from shared.errors import InvalidArgument
+from shared.shared_memory import REGION
 from shared.tensors import decode_raw, decode_typed, encode_raw
 from shared.trace_ids import current_trace_id
 
@@ -248,11 +251,6 @@ def _parse_header(header: bytes) -> _Document:
 def _set_parameters(target: Any, parameters: Mapping[str, Any], what: str) -> None:
     """Store JSON parameters in a proto InferParameter map."""
     for key, value in parameters.items():
-        if key.startswith("shared_memory_"):
-            raise Unimplemented(
-                f"{what}: shared-memory tensors are not supported by meshserve; send the "
-                "data in the request body (JSON 'data' or binary_data_size)"
-            )
         param = target[key]
         if isinstance(value, bool):
             param.bool_param = value
@@ -290,6 +288,8 @@ class InferCall:
     """``parameters.binary_data_output`` of the request."""
     binary_outputs: Mapping[str, bool] = field(default_factory=dict)
     """``parameters.binary_data`` of each requested output that set it."""
+    placed: frozenset[str] = frozenset()
+    """The requested outputs written to a shared-memory region: no data in the answer."""
 
     def binary(self, output: str) -> bool:
         """Whether ``output`` goes back as binary data after the JSON."""
@@ -302,6 +302,15 @@ def _add_inputs(request: pb.ModelInferRequest, inputs: list[_Tensor], binary: me
         what = f"input '{tensor.name}'"
         parameters = dict(tensor.parameters)
         size = parameters.pop("binary_data_size", None)
+        if REGION in parameters:
+            # Read from the region by the core (shared/shared_memory.py): no raw entry here.
+            if tensor.data is not None or size is not None:
+                raise InvalidArgument(f"{what}: has data as well as a shared-memory region")
+            message = request.inputs.add(
+                name=tensor.name, datatype=tensor.datatype, shape=tensor.shape
+            )
+            _set_parameters(message.parameters, parameters, what)
+            continue
         if size is None:
             raw = json_to_raw(tensor.name, tensor.datatype, tensor.shape, tensor.data)
         else:
@@ -363,7 +372,8 @@ def parse_infer(model: str, version: str, body: bytes, header_length: str | None
             choices[output.name] = choice
         message = request.outputs.add(name=output.name)
         _set_parameters(message.parameters, output_parameters, what)
-    return InferCall(request, binary_default, choices)
+    placed = frozenset(o.name for o in document.outputs if REGION in o.parameters)
+    return InferCall(request, binary_default, choices, placed)
 
 
 def _parameters_json(parameters: Mapping[str, pb.InferParameter]) -> dict[str, Any]:
@@ -406,7 +416,9 @@ def render_infer(call: InferCall, response: pb.ModelInferResponse) -> tuple[byte
         )
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": shape}
         parameters = _parameters_json(tensor.parameters)
-        if call.binary(tensor.name):
+        if tensor.name in call.placed:
+            pass  # written to its shared-memory region
+        elif call.binary(tensor.name):
             parameters["binary_data_size"] = len(raw)
             chunks.append(raw)
         else:

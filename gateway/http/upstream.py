@@ -158,6 +158,26 @@ class Upstream:
             )
         return reply
 
+    async def region_status(
+        self, request: pb.SystemSharedMemoryStatusRequest
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        """``SystemSharedMemoryStatus``."""
+        with self.calling():
+            reply: pb.SystemSharedMemoryStatusResponse = (
+                await self._stub().SystemSharedMemoryStatus(request, timeout=self.timeout_s)
+            )
+        return reply
+
+    async def region_register(self, request: pb.SystemSharedMemoryRegisterRequest) -> None:
+        """``SystemSharedMemoryRegister``."""
+        with self.calling():
+            await self._stub().SystemSharedMemoryRegister(request, timeout=self.timeout_s)
+
+    async def region_unregister(self, request: pb.SystemSharedMemoryUnregisterRequest) -> None:
+        """``SystemSharedMemoryUnregister``."""
+        with self.calling():
+            await self._stub().SystemSharedMemoryUnregister(request, timeout=self.timeout_s)
+
     async def model_infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         """``ModelInfer``."""
         with self.calling():

@@ -40,6 +40,8 @@ from shared.errors import ConfigError, InvalidArgument, MeshError, NotFound, Una
 from shared.repository import ModelEntry, is_ensemble
 from shared.rpc import remote
 from shared.servicer import FINAL_RESPONSE, stats_to_proto
+from shared.shared_memory import MARK as SHARED_MEMORY_MARK
+from shared.shared_memory import SharedMemoryRegions
 
 ROUTE_PARAMETER = "route"
 """RepositoryModelLoad parameter: the route to define under the model name, as JSON."""
@@ -69,6 +71,7 @@ class Orchestrator:
         ensembles: EnsembleRegistry,
         tracer: trace.Tracer,
         routes: RouteTable | None = None,
+        regions: SharedMemoryRegions | None = None,
     ) -> None:
         # Where each stage model lives -> the ensembles run here -> one request
         # of an ensemble, step by step; routes pick the model a name stands for.
@@ -79,6 +82,8 @@ class Orchestrator:
         self._decoupled: dict[str, bool] = {}
         self.adapters = AdapterPipelines(ensembles, router.model_config)
         """LoRA adapters' pipelines, derived when a stream first names one (adapters.py)."""
+        self.regions = SharedMemoryRegions(allowed=False) if regions is None else regions
+        """Callers' shared-memory regions: read before a request runs, written after."""
 
     def plan(self, name: str, version: str = "") -> EnsemblePlan | None:
         """The ensemble ``name`` (None: a stage's model); a version it does not
@@ -94,7 +99,10 @@ class Orchestrator:
         self, request: pb.ModelInferRequest, timeout_s: float | None = None
     ) -> pb.ModelInferResponse:
         """One request's answer: an ensemble's, or the hosting stage's (forwarded)."""
-        return await self._infer(request, Deadline.after(timeout_s))
+        placements = self.regions.resolve(request)
+        response = await self._infer(request, Deadline.after(timeout_s))
+        self.regions.place(response, placements)
+        return response
 
     def forwards(self, name: str) -> bool:
         """True when a request for model ``name`` goes to its stage as it is: not a
@@ -107,9 +115,19 @@ class Orchestrator:
         """A serialised ModelInferRequest for a stage model (``forwards``), answered
         by the stage hosting it; neither message is decoded here. Without a
         deadline it travels as a message on an open stream
-        (services/orchestrator/forward_stream.py)."""
+        (services/orchestrator/forward_stream.py). A request with tensors in
+        this service's shared-memory regions is decoded to read and write them."""
         on_stream = request_id if timeout_s is None else None
-        return await self.router.forward(model, request, timeout_s, on_stream)
+        if not self.regions or SHARED_MEMORY_MARK not in request:
+            return await self.router.forward(model, request, timeout_s, on_stream)
+        decoded = pb.ModelInferRequest.FromString(request)
+        placements = self.regions.resolve(decoded)
+        answer = await self.router.forward(model, decoded.SerializeToString(), timeout_s, on_stream)
+        if not placements:
+            return answer
+        response = pb.ModelInferResponse.FromString(answer)
+        self.regions.place(response, placements)
+        return response.SerializeToString()
 
     async def _infer(
         self, request: pb.ModelInferRequest, deadline: Deadline

@@ -29,6 +29,7 @@ from shared.launch import run_service
 from shared.repository import ModelRepository
 from shared.server import ServiceParts
 from shared.servicer import SERVICE_NAME
+from shared.shared_memory import SharedMemoryRegions
 from shared.statistics import Metrics
 from shared.tracing import make_tracer_provider, tracer_for
 
@@ -99,7 +100,8 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
         repository, router.model_config, Metrics(parts.registry), served_whole=router.hosts
     )
     routes = RouteTable(load_routes(config.model_repository), parts.registry)
-    core = Orchestrator(router, ensembles, tracer, routes)
+    regions = SharedMemoryRegions(config.allow_client_shm)
+    core = Orchestrator(router, ensembles, tracer, routes, regions)
     servicer = OrchestratorServicer(core)
     parts.servicers = [
         (add_orchestrator, servicer),
@@ -115,7 +117,7 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
     # Envoy's edge sends unary ModelInfer here over HTTP/1.1 (gateway/envoy/wire.py).
     parts.wire_handlers = {INFER_METHOD: servicer.forward_infer}
     parts.on_start = [start]
-    parts.on_stop = [routes.close, core.runner.close, router.stop]
+    parts.on_stop = [routes.close, core.runner.close, router.stop, regions.close]
     add_job_api(parts)  # batch jobs' meshserve.v1 API, when a job queue is configured
     return parts
 

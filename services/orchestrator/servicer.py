@@ -53,7 +53,7 @@ class OrchestratorServicer(BaseServicer):
     """GRPCInferenceService for every model in the mesh."""
 
     def __init__(self, core: Orchestrator) -> None:
-        super().__init__()
+        super().__init__(regions=core.regions)
         self.core = core
 
     async def ServerReady(

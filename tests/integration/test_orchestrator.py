@@ -194,18 +194,21 @@ def test_an_ensemble_version_it_lacks_is_not_found(
 
 @pytest.mark.parametrize(("model", "names"), [("diamond", "AB"), ("add_sub", ["INPUT0", "INPUT1"])])
 @pytest.mark.parametrize("kind", ["input", "output"])
-def test_a_shared_memory_tensor_is_unimplemented_naming_it(
+def test_a_tensor_in_an_unregistered_region_is_refused_naming_both(
     stub: pb_grpc.GRPCInferenceServiceStub, model: str, names: Sequence[str], kind: str
 ) -> None:
+    # An ensemble's request is read here; a stage model's goes on as it is and its
+    # stage refuses it: the same answer either way.
     request = pb.ModelInferRequest(model_name=model)
     ones = np.ones((1, 4), dtype=np.float32)
     encode_inputs(request, {names[0]: ones, names[1]: ones})
     tensor = request.inputs[0] if kind == "input" else request.outputs.add(name="X")
     tensor.parameters["shared_memory_region"].string_param = "region0"
+    tensor.parameters["shared_memory_byte_size"].int64_param = 16
     with pytest.raises(grpc.RpcError) as caught:
         stub.ModelInfer(request, timeout=30)
-    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert f"{kind} '{tensor.name}': shared-memory tensors are not supported" in (
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{kind} '{tensor.name}': shared-memory region 'region0' is not registered" in (
         caught.value.details()
     )
 

@@ -70,13 +70,13 @@ def test_unknown_model_is_not_found(bare_service: ServiceProcess) -> None:
     assert "ghost" in caught.value.details()
 
 
-def test_shared_memory_is_unimplemented_with_a_message(bare_service: ServiceProcess) -> None:
+def test_cuda_shared_memory_is_unimplemented_with_a_message(bare_service: ServiceProcess) -> None:
     with grpc.insecure_channel(bare_service.address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         with pytest.raises(grpc.RpcError) as caught:
-            stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest())
+            stub.CudaSharedMemoryStatus(pb.CudaSharedMemoryStatusRequest())
     assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "shared-memory" in caught.value.details()
+    assert "CUDA shared memory is not supported" in caught.value.details()
 
 
 def test_unexpected_error_is_internal_without_details(python_service: ServiceProcess) -> None:

@@ -1,0 +1,270 @@
+"""Triton's system shared-memory extension: tensors passed through POSIX shared
+memory instead of inside the message.
+
+A client creates a shared-memory object (``shm_open``: a file under /dev/shm),
+registers a span of it as a named *region* (name, key, offset, byte_size), and
+then names the region in an input's or a requested output's parameters
+(``shared_memory_region``, ``shared_memory_byte_size`` and the optional
+``shared_memory_offset``). ``SharedMemoryRegions.resolve`` turns such a request
+into an ordinary one: each such input's bytes are read into
+``raw_input_contents`` and each such output's parameters are taken off and kept
+as a ``Placement``. ``place`` then writes the answer's outputs into their
+regions and leaves their ``raw_output_contents`` entries empty, as Triton does.
+
+Regions are read and written with pread/pwrite on a descriptor held while the
+region is registered, never through a mapping: a client that shrinks its object
+after registering gets a clear error instead of a SIGBUS that would take the
+server, and every other caller's requests, down.
+
+Only a service started with ``allow_client_shm`` (Triton's ``--allow-client-shm``)
+registers regions: a caller who may register a key may read any shared-memory
+object the server's user can open. No gRPC here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from inference import grpc_service_pb2 as pb
+from shared.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Overloaded
+from shared.tensors import parameter_value
+
+SHM_ROOT = Path("/dev/shm")
+"""Where Linux keeps POSIX shared-memory objects (``shm_open`` names)."""
+REGION = "shared_memory_region"
+OFFSET = "shared_memory_offset"
+BYTE_SIZE = "shared_memory_byte_size"
+PARAMETERS = (REGION, OFFSET, BYTE_SIZE)
+MARK = REGION.encode()
+"""What a serialised request holds when one of its tensors names a region."""
+MAX_REGIONS = 1024
+"""Regions one service holds at once (each keeps a file descriptor open)."""
+_KEY = re.compile(r"/*([A-Za-z0-9_.-]{1,250})")
+OFF_MESSAGE = (
+    "client shared memory is off on this service: start it with --allow-client-shm=true "
+    "(MESHSERVE_ALLOW_CLIENT_SHM=true, or allow_client_shm: true in the mesh YAML)"
+)
+
+
+@dataclass(frozen=True)
+class RegionStatus:
+    """A registered region: ``byte_size`` bytes at ``offset`` of the object ``key``."""
+
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a requested output goes: at most ``byte_size`` bytes at ``offset`` of ``region``."""
+
+    output: str
+    region: str
+    offset: int
+    byte_size: int
+
+
+@dataclass(frozen=True)
+class _Region:
+    status: RegionStatus
+    fd: int
+
+
+def _integer(params: Mapping[str, pb.InferParameter], key: str, what: str) -> int:
+    value = parameter_value(params[key]) if key in params else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgument(f"{what}: parameter '{key}' must be a non-negative integer")
+    return value
+
+
+def _region_name(params: Mapping[str, pb.InferParameter], what: str) -> str:
+    name = parameter_value(params[REGION])
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument(f"{what}: parameter '{REGION}' must be a region's name")
+    if BYTE_SIZE not in params:
+        raise InvalidArgument(f"{what}: '{REGION}' is given without '{BYTE_SIZE}'")
+    return name
+
+
+def _strip(params: Any) -> None:
+    for key in PARAMETERS:
+        if key in params:
+            del params[key]
+
+
+def _path_of(key: str) -> Path:
+    """The file of shared-memory object ``key`` (``shm_open``'s name: leading '/' optional)."""
+    match = _KEY.fullmatch(key)
+    if match is None or match.group(1) in (".", ".."):
+        raise InvalidArgument(
+            f"key {key!r:.80} is not a shared-memory object name ('/name': letters, digits, "
+            "'_', '-', '.')"
+        )
+    return SHM_ROOT / match.group(1)
+
+
+class SharedMemoryRegions:
+    """The system shared-memory regions registered with one service."""
+
+    def __init__(self, allowed: bool) -> None:
+        self.allowed = allowed
+        """Whether callers may register regions (``allow_client_shm``)."""
+        self._regions: dict[str, _Region] = {}
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """Register ``byte_size`` bytes at ``offset`` of object ``key`` as region ``name``."""
+        if not self.allowed:
+            raise FailedPrecondition(OFF_MESSAGE)
+        if not name:
+            raise InvalidArgument("a shared-memory region needs a name")
+        if name in self._regions:
+            raise AlreadyExists(f"shared-memory region '{name:.200}' is already registered")
+        if len(self._regions) >= MAX_REGIONS:
+            raise Overloaded(f"this service holds {MAX_REGIONS} shared-memory regions already")
+        if byte_size <= 0:
+            raise InvalidArgument(f"region '{name:.200}': byte_size must be positive")
+        path = _path_of(key)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise InvalidArgument(
+                f"region '{name:.200}': cannot open shared-memory object {key!r:.80}: "
+                f"{exc.strerror}"
+            ) from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size < offset + byte_size:
+            os.close(fd)
+            raise InvalidArgument(
+                f"region '{name:.200}': {byte_size} bytes at offset {offset} run past the end "
+                f"of shared-memory object {key!r:.80} ({info.st_size} bytes)"
+            )
+        self._regions[name] = _Region(RegionStatus(name, key, offset, byte_size), fd)
+
+    def unregister(self, name: str = "") -> None:
+        """Forget region ``name`` (every region when empty); an unknown name is no error."""
+        names = list(self._regions) if not name else [name]
+        for each in names:
+            region = self._regions.pop(each, None)
+            if region is not None:
+                os.close(region.fd)
+
+    def status(self, name: str = "") -> list[RegionStatus]:
+        """Region ``name`` (every region when empty); NotFound for an unknown name."""
+        if not name:
+            return [region.status for region in self._regions.values()]
+        region = self._regions.get(name)
+        if region is None:
+            raise NotFound(f"no shared-memory region '{name:.200}' is registered")
+        return [region.status]
+
+    async def close(self) -> None:
+        """Unregister every region (a hook for the service's stop)."""
+        self.unregister()
+
+    def resolve(self, request: pb.ModelInferRequest) -> list[Placement]:
+        """Read ``request``'s shared-memory inputs into its raw contents and take its
+        outputs' shared-memory parameters off; where those outputs go."""
+        if any(REGION in tensor.parameters for tensor in request.inputs):
+            self._read_inputs(request)
+        placements: list[Placement] = []
+        for output in request.outputs:
+            if REGION in output.parameters:
+                what = f"output '{output.name}'"
+                params = output.parameters
+                name = _region_name(params, what)
+                placement = Placement(
+                    output.name,
+                    name,
+                    _integer(params, OFFSET, what),
+                    _integer(params, BYTE_SIZE, what),
+                )
+                self._span(placement.region, placement.offset, placement.byte_size, what)
+                placements.append(placement)
+                _strip(params)
+        return placements
+
+    def place(self, response: pb.ModelInferResponse, placements: Iterable[Placement]) -> None:
+        """Write each placed output of ``response`` into its region; its raw entry empties."""
+        wanted = {placement.output: placement for placement in placements}
+        if not wanted:
+            return
+        for index, output in enumerate(response.outputs):
+            placement = wanted.get(output.name)
+            if placement is None or index >= len(response.raw_output_contents):
+                continue
+            what = f"output '{output.name}'"
+            data = response.raw_output_contents[index]
+            if len(data) > placement.byte_size:
+                raise InvalidArgument(
+                    f"{what}: its {len(data)} bytes do not fit the {placement.byte_size} "
+                    f"bytes given in region '{placement.region}'"
+                )
+            region = self._span(placement.region, placement.offset, len(data), what)
+            written = os.pwrite(region.fd, data, region.status.offset + placement.offset)
+            if written != len(data):
+                raise InvalidArgument(
+                    f"{what}: region '{placement.region}' took only {written} bytes"
+                )
+            response.raw_output_contents[index] = b""
+
+    def _read_inputs(self, request: pb.ModelInferRequest) -> None:
+        given = request.raw_input_contents
+        raws: list[bytes] = []
+        taken = 0
+        for tensor in request.inputs:
+            what = f"input '{tensor.name}'"
+            params = tensor.parameters
+            if REGION in params:
+                if tensor.HasField("contents"):
+                    raise InvalidArgument(f"{what}: has both contents and a shared-memory region")
+                name = _region_name(params, what)
+                offset, size = _integer(params, OFFSET, what), _integer(params, BYTE_SIZE, what)
+                raws.append(self._read(self._span(name, offset, size, what), offset, size, what))
+                _strip(params)
+            elif taken < len(given):
+                raws.append(given[taken])
+                taken += 1
+            else:
+                raise InvalidArgument(
+                    f"{what}: with inputs in shared memory, the others go in raw_input_contents"
+                )
+        if taken != len(given):
+            raise InvalidArgument(
+                f"raw_input_contents has {len(given)} entries for the {taken} inputs "
+                "not in shared memory"
+            )
+        del request.raw_input_contents[:]
+        request.raw_input_contents.extend(raws)
+
+    def _span(self, name: str, offset: int, size: int, what: str) -> _Region:
+        """Region ``name``, checked to hold ``size`` bytes at ``offset``."""
+        region = self._regions.get(name)
+        if region is None:
+            raise InvalidArgument(f"{what}: shared-memory region '{name:.200}' is not registered")
+        if offset + size > region.status.byte_size:
+            raise InvalidArgument(
+                f"{what}: {size} bytes at offset {offset} run past the end of region "
+                f"'{name:.200}' ({region.status.byte_size} bytes)"
+            )
+        return region
+
+    @staticmethod
+    def _read(region: _Region, offset: int, size: int, what: str) -> bytes:
+        data = os.pread(region.fd, size, region.status.offset + offset)
+        if len(data) != size:
+            raise InvalidArgument(
+                f"{what}: shared-memory object {region.status.key!r:.80} holds fewer bytes than "
+                f"region '{region.status.name}' was registered with"
+            )
+        return data
