@@ -34,7 +34,10 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     for model in ("add_sub", "square_int32"):
         shutil.copytree(EXAMPLES / model, folder / "models" / model)
     config = folder / "mesh.yaml"
-    config.write_text(EDGE_MESH)
+    # Regions for perf_analyzer's --shared-memory system (off by default, as in Triton).
+    config.write_text(
+        EDGE_MESH.replace("grace_period_s: 1", "grace_period_s: 1, allow_client_shm: true")
+    )
     proc, info = start_mesh(folder / "models", config, ["--grace-s", "1"])
     yield {**info, "folder": folder}
     stop_mesh(proc)
@@ -76,6 +79,24 @@ def test_perf_analyzer_measures_the_mesh(mesh: dict[str, Any], where: str, proto
     )
     assert [level.concurrency for level in measurement.levels] == (
         [1, 2] if levels == "1:2" else [2]
+    )
+    _agrees(measurement)
+
+
+@pytest.mark.parametrize(("where", "protocol"), [("orchestrator", "grpc"), ("envoy", "http")])
+def test_perf_analyzer_passes_tensors_in_system_shared_memory(
+    mesh: dict[str, Any], where: str, protocol: str
+) -> None:
+    # perf_analyzer registers its regions, names them on every input and output,
+    # and reads the outputs back from them; any error there fails the run.
+    measurement = perf_analyzer.run(
+        cache_dir(),
+        "add_sub",
+        _address(mesh, where),
+        protocol,
+        "2",
+        [*perf_analyzer.QUICK, "--shared-memory", "system", "--output-shared-memory-size", "64"],
+        folder=mesh["folder"],
     )
     _agrees(measurement)
 
