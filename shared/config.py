@@ -66,6 +66,9 @@ class ServiceConfig(BaseModel):
     """Let callers register system shared-memory regions and pass tensors through them
     (Triton's --allow-client-shm): only where every caller may read this host's
     shared memory."""
+    shm_handoff: bool = False
+    """Pass an ensemble's large tensors (64 KB and up) between the services of one host
+    through shared memory instead of in messages: set on every service or on none."""
     mtls_cert: Path | None = None
     """Mutual TLS between services (with mtls_key, mtls_ca): this process's certificate
     chain (PEM), served on its port and shown to the services it calls."""

@@ -39,7 +39,7 @@ from shared.forwarding import (
 from shared.manager import ModelManager
 from shared.model import ModelVersion
 from shared.request import InferRequest, InferResponse
-from shared.shared_memory import REGION, SharedMemoryRegions
+from shared.shared_memory import HANDOFF_EXTENSION, REGION, SharedMemoryRegions
 from shared.shared_memory_servicer import SharedMemoryMethods
 from shared.statistics import Duration, ModelStats
 from shared.stream_tasks import StreamTasks
@@ -73,8 +73,14 @@ STATUS_CODE = "meshserve_status_code"
 
 
 def extensions(regions: SharedMemoryRegions) -> list[str]:
-    """The protocol extensions a server reports: system shared memory where allowed."""
-    return [*EXTENSIONS, SHARED_MEMORY_EXTENSION] if regions.allowed else list(EXTENSIONS)
+    """The protocol extensions a server reports: system shared memory where allowed,
+    and the mesh's own handoff buffers where taken."""
+    found = list(EXTENSIONS)
+    if regions.allowed:
+        found.append(SHARED_MEMORY_EXTENSION)
+    if regions.handoff:
+        found.append(HANDOFF_EXTENSION)
+    return found
 
 
 def to_domain(request: pb.ModelInferRequest) -> InferRequest:

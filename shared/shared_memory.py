@@ -18,7 +18,14 @@ server, and every other caller's requests, down.
 
 Only a service started with ``allow_client_shm`` (Triton's ``--allow-client-shm``)
 registers regions: a caller who may register a key may read any shared-memory
-object the server's user can open. No gRPC here.
+object the server's user can open.
+
+The mesh's own services on one host pass large tensors the same way
+(``shm_handoff``): the orchestrator names one of its handoff buffers
+(``meshserve_shm_key``, an object only its user may open) instead of a
+registered region, and the stage opens it on first use and keeps it open. An
+output that does not fit its buffer travels in the message instead, marked by
+the absence of the key on the answer's output. No gRPC here.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,9 +48,17 @@ SHM_ROOT = Path("/dev/shm")
 REGION = "shared_memory_region"
 OFFSET = "shared_memory_offset"
 BYTE_SIZE = "shared_memory_byte_size"
-PARAMETERS = (REGION, OFFSET, BYTE_SIZE)
+HANDOFF = "meshserve_shm_key"
+"""Parameter of a tensor in one of the orchestrator's handoff buffers (its key)."""
+PARAMETERS = (REGION, HANDOFF, OFFSET, BYTE_SIZE)
 MARK = REGION.encode()
 """What a serialised request holds when one of its tensors names a region."""
+HANDOFF_KEY = re.compile(r"meshserve-handoff-\d{1,10}-\d{1,12}")
+"""The names of the orchestrator's handoff buffers (``<pid>-<n>``)."""
+HANDOFF_EXTENSION = "meshserve_shm_handoff"
+"""What a server that takes handoff buffers lists among its protocol extensions."""
+OPEN_HANDOFFS = 256
+"""Handoff buffers a stage keeps open (the least recently used one closes)."""
 MAX_REGIONS = 1024
 """Regions one service holds at once (each keeps a file descriptor open)."""
 _KEY = re.compile(r"/*([A-Za-z0-9_.-]{1,250})")
@@ -64,12 +80,14 @@ class RegionStatus:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a requested output goes: at most ``byte_size`` bytes at ``offset`` of ``region``."""
+    """Where a requested output goes: at most ``byte_size`` bytes at ``offset`` of ``region``
+    (a handoff buffer's key where ``handoff``)."""
 
     output: str
     region: str
     offset: int
     byte_size: int
+    handoff: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,12 +103,17 @@ def _integer(params: Mapping[str, pb.InferParameter], key: str, what: str) -> in
     return value
 
 
+def _placed(params: Mapping[str, pb.InferParameter]) -> bool:
+    return REGION in params or HANDOFF in params
+
+
 def _region_name(params: Mapping[str, pb.InferParameter], what: str) -> str:
-    name = parameter_value(params[REGION])
+    key = REGION if REGION in params else HANDOFF
+    name = parameter_value(params[key])
     if not isinstance(name, str) or not name:
-        raise InvalidArgument(f"{what}: parameter '{REGION}' must be a region's name")
+        raise InvalidArgument(f"{what}: parameter '{key}' must be a region's name")
     if BYTE_SIZE not in params:
-        raise InvalidArgument(f"{what}: '{REGION}' is given without '{BYTE_SIZE}'")
+        raise InvalidArgument(f"{what}: '{key}' is given without '{BYTE_SIZE}'")
     return name
 
 
@@ -114,10 +137,13 @@ def _path_of(key: str) -> Path:
 class SharedMemoryRegions:
     """The system shared-memory regions registered with one service."""
 
-    def __init__(self, allowed: bool) -> None:
+    def __init__(self, allowed: bool, handoff: bool = False) -> None:
         self.allowed = allowed
         """Whether callers may register regions (``allow_client_shm``)."""
+        self.handoff = handoff
+        """Whether tensors may come and go in the orchestrator's handoff buffers."""
         self._regions: dict[str, _Region] = {}
+        self._handoffs: OrderedDict[str, _Region] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -169,28 +195,25 @@ class SharedMemoryRegions:
         return [region.status]
 
     async def close(self) -> None:
-        """Unregister every region (a hook for the service's stop)."""
+        """Unregister every region and close the handoff buffers (a hook for the stop)."""
         self.unregister()
+        while self._handoffs:
+            os.close(self._handoffs.popitem()[1].fd)
 
     def resolve(self, request: pb.ModelInferRequest) -> list[Placement]:
         """Read ``request``'s shared-memory inputs into its raw contents and take its
         outputs' shared-memory parameters off; where those outputs go."""
-        if any(REGION in tensor.parameters for tensor in request.inputs):
+        if any(_placed(tensor.parameters) for tensor in request.inputs):
             self._read_inputs(request)
         placements: list[Placement] = []
         for output in request.outputs:
-            if REGION in output.parameters:
+            params = output.parameters
+            if _placed(params):
                 what = f"output '{output.name}'"
-                params = output.parameters
                 name = _region_name(params, what)
-                placement = Placement(
-                    output.name,
-                    name,
-                    _integer(params, OFFSET, what),
-                    _integer(params, BYTE_SIZE, what),
-                )
-                self._span(placement.region, placement.offset, placement.byte_size, what)
-                placements.append(placement)
+                offset, size = _integer(params, OFFSET, what), _integer(params, BYTE_SIZE, what)
+                self._span(self._target(params, name, what), offset, size, what)
+                placements.append(Placement(output.name, name, offset, size, HANDOFF in params))
                 _strip(params)
         return placements
 
@@ -206,17 +229,23 @@ class SharedMemoryRegions:
             what = f"output '{output.name}'"
             data = response.raw_output_contents[index]
             if len(data) > placement.byte_size:
+                if placement.handoff:
+                    continue  # the orchestrator takes it from the message instead
                 raise InvalidArgument(
                     f"{what}: its {len(data)} bytes do not fit the {placement.byte_size} "
                     f"bytes given in region '{placement.region}'"
                 )
-            region = self._span(placement.region, placement.offset, len(data), what)
+            region = self._lookup(placement.region, placement.handoff, what)
+            self._span(region, placement.offset, len(data), what)
             written = os.pwrite(region.fd, data, region.status.offset + placement.offset)
             if written != len(data):
                 raise InvalidArgument(
                     f"{what}: region '{placement.region}' took only {written} bytes"
                 )
             response.raw_output_contents[index] = b""
+            if placement.handoff:
+                output.parameters[HANDOFF].string_param = placement.region
+                output.parameters[BYTE_SIZE].int64_param = len(data)
 
     def _read_inputs(self, request: pb.ModelInferRequest) -> None:
         given = request.raw_input_contents
@@ -225,12 +254,13 @@ class SharedMemoryRegions:
         for tensor in request.inputs:
             what = f"input '{tensor.name}'"
             params = tensor.parameters
-            if REGION in params:
+            if _placed(params):
                 if tensor.HasField("contents"):
                     raise InvalidArgument(f"{what}: has both contents and a shared-memory region")
                 name = _region_name(params, what)
                 offset, size = _integer(params, OFFSET, what), _integer(params, BYTE_SIZE, what)
-                raws.append(self._read(self._span(name, offset, size, what), offset, size, what))
+                region = self._span(self._target(params, name, what), offset, size, what)
+                raws.append(self._read(region, offset, size, what))
                 _strip(params)
             elif taken < len(given):
                 raws.append(given[taken])
@@ -247,15 +277,51 @@ class SharedMemoryRegions:
         del request.raw_input_contents[:]
         request.raw_input_contents.extend(raws)
 
-    def _span(self, name: str, offset: int, size: int, what: str) -> _Region:
-        """Region ``name``, checked to hold ``size`` bytes at ``offset``."""
+    def _target(self, params: Mapping[str, pb.InferParameter], name: str, what: str) -> _Region:
+        """The region a tensor's parameters name: registered, or a handoff buffer."""
+        return self._lookup(name, HANDOFF in params, what)
+
+    def _lookup(self, name: str, handoff: bool, what: str) -> _Region:
+        if handoff:
+            return self._handoff(name, what)
         region = self._regions.get(name)
         if region is None:
             raise InvalidArgument(f"{what}: shared-memory region '{name:.200}' is not registered")
+        return region
+
+    def _handoff(self, key: str, what: str) -> _Region:
+        """The orchestrator's buffer ``key``, opened on first use and kept open."""
+        region = self._handoffs.get(key)
+        if region is not None:
+            self._handoffs.move_to_end(key)
+            return region
+        if not self.handoff:
+            raise InvalidArgument(
+                f"{what}: a tensor in a handoff buffer, but this service has shm_handoff off "
+                "(set it on every service of the mesh, or on none)"
+            )
+        if HANDOFF_KEY.fullmatch(key) is None:
+            raise InvalidArgument(f"{what}: {key!r:.80} is not a handoff buffer's name")
+        try:
+            fd = os.open(SHM_ROOT / key, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise InvalidArgument(
+                f"{what}: cannot open handoff buffer '{key}': {exc.strerror}"
+            ) from None
+        size = os.fstat(fd).st_size
+        region = _Region(RegionStatus(key, key, 0, size), fd)
+        self._handoffs[key] = region
+        if len(self._handoffs) > OPEN_HANDOFFS:
+            os.close(self._handoffs.popitem(last=False)[1].fd)
+        return region
+
+    @staticmethod
+    def _span(region: _Region, offset: int, size: int, what: str) -> _Region:
+        """``region``, checked to hold ``size`` bytes at ``offset``."""
         if offset + size > region.status.byte_size:
             raise InvalidArgument(
                 f"{what}: {size} bytes at offset {offset} run past the end of region "
-                f"'{name:.200}' ({region.status.byte_size} bytes)"
+                f"'{region.status.name:.200}' ({region.status.byte_size} bytes)"
             )
         return region
 

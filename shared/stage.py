@@ -104,7 +104,7 @@ def build_stage_parts(config: StageConfig, backends: Mapping[str, Backend]) -> S
         config.queue_defaults(),
     )
     manager.starting = True  # until load_all is done: its models are loading, not unknown
-    regions = SharedMemoryRegions(config.allow_client_shm)
+    regions = SharedMemoryRegions(config.allow_client_shm, config.shm_handoff)
     servicer = InferenceServicer(manager, config.max_message_bytes, regions)
     parts.servicers = [(add_to_server, servicer)]
     context = StageContext(config, manager, parts.registry, tracer_for(provider, "meshserve.stage"))

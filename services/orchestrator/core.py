@@ -31,6 +31,7 @@ from inference import model_config_pb2 as mc
 from services.orchestrator.adapters import AdapterPipelines
 from services.orchestrator.ensemble import EnsemblePlan
 from services.orchestrator.ensembles import ENSEMBLE_VERSION, EnsembleRegistry
+from services.orchestrator.handoff import HandoffPool
 from services.orchestrator.route_table import SHADOW_TIMEOUT_S, RouteTable
 from services.orchestrator.router import StageRouter
 from services.orchestrator.routes import TARGET_PARAMETER, Route, parse_route
@@ -72,12 +73,13 @@ class Orchestrator:
         tracer: trace.Tracer,
         routes: RouteTable | None = None,
         regions: SharedMemoryRegions | None = None,
+        handoff: HandoffPool | None = None,
     ) -> None:
         # Where each stage model lives -> the ensembles run here -> one request
         # of an ensemble, step by step; routes pick the model a name stands for.
         self.router = router
         self.ensembles = ensembles
-        self.runner = EnsembleRunner(router, ensembles, self._infer, tracer)
+        self.runner = EnsembleRunner(router, ensembles, self._infer, tracer, handoff)
         self.routes = routes or RouteTable({}, CollectorRegistry())
         self._decoupled: dict[str, bool] = {}
         self.adapters = AdapterPipelines(ensembles, router.model_config)

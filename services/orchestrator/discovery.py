@@ -56,6 +56,17 @@ def is_address(host: str) -> bool:
     return True
 
 
+def is_local(target: str) -> bool:
+    """Whether ``host:port`` is on this host: a loopback address or ``localhost``."""
+    host, _ = split_target(target)
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def parse_hosts(text: str) -> dict[str, list[str]]:
     """A hosts file (``ADDRESS NAME [ALIAS...]``, ``#`` comments) -> name -> addresses.
 

@@ -35,6 +35,8 @@ class WireTensor:
     shape: tuple[int, ...]
     raw: bytes | memoryview
     """The bytes, or a view into the stage answer that brought them (step_wire.py)."""
+    handoff: str = ""
+    """The key of the shared-memory buffer ``raw`` is a view of (handoff.py), if any."""
 
     @classmethod
     def of(cls, array: np.ndarray) -> WireTensor:
@@ -124,7 +126,12 @@ class EnsemblePlan:
     """A validated ensemble, ready to run."""
 
     def __init__(
-        self, config: mc.ModelConfig, steps: list[Step], io: ModelIO, streaming: Step | None = None
+        self,
+        config: mc.ModelConfig,
+        steps: list[Step],
+        io: ModelIO,
+        streaming: Step | None = None,
+        intermediate: Mapping[str, TensorSpec] | None = None,
     ) -> None:
         self.name = config.name
         self.config = config
@@ -134,6 +141,8 @@ class EnsemblePlan:
         """The decoupled step, if any: the ensemble then streams."""
         self.downstream = _downstream(steps, streaming) if streaming else []
         self.upstream = [s for s in steps if s is not streaming and s not in self.downstream]
+        self.intermediate = intermediate or {}
+        """The tensors a step makes and a later step takes that are not ensemble outputs."""
 
     @classmethod
     def build(cls, config: mc.ModelConfig, models: Mapping[str, ModelIO]) -> EnsemblePlan:
@@ -184,7 +193,13 @@ class EnsemblePlan:
             )
         if decoupled:
             io = ModelIO(io.inputs, io.outputs, decoupled=True)
-        return cls(config, steps, io, decoupled[0] if decoupled else None)
+        taken = {tensor for step in steps for tensor in step.input_map.values()}
+        intermediate = {
+            name: spec
+            for name, spec in producers.items()
+            if name in taken and name not in io.inputs and name not in io.outputs
+        }
+        return cls(config, steps, io, decoupled[0] if decoupled else None, intermediate)
 
     async def run(
         self, inputs: dict[str, WireTensor], call: StepCall, tracer: trace.Tracer

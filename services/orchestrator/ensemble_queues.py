@@ -33,6 +33,7 @@ from inference import model_config_pb2 as mc
 from services.orchestrator.ensemble import EnsemblePlan, Step, StepCall, WireTensor
 from services.orchestrator.ensemble_batches import EnsembleBatches, ensemble_policy, lane_count
 from services.orchestrator.ensembles import EnsembleRegistry
+from services.orchestrator.handoff import HandoffPool, HandoffScope, handoff_call
 from services.orchestrator.router import StageRouter
 from services.orchestrator.step_wire import answer_tensors, request_bytes
 from shared.batcher import BatchPolicy
@@ -61,11 +62,16 @@ class EnsembleQueues:
     """A queue per batching ensemble; each batch through the steps' stages."""
 
     def __init__(
-        self, router: StageRouter, ensembles: EnsembleRegistry, tracer: trace.Tracer
+        self,
+        router: StageRouter,
+        ensembles: EnsembleRegistry,
+        tracer: trace.Tracer,
+        handoff: HandoffPool | None = None,
     ) -> None:
         self._router = router
         self._ensembles = ensembles
         self._tracer = tracer
+        self._handoff = handoff
         self._queues: dict[str, _Queue] = {}
         self._retiring: set[asyncio.Task[None]] = set()
         """Replaced queues finishing what they hold."""
@@ -141,7 +147,7 @@ class EnsembleQueues:
         return lane_count(widest)
 
     def _runner(self, plan: EnsemblePlan) -> EnsembleBatchRun:
-        return EnsembleBatchRun(plan, self._router, self._tracer)
+        return EnsembleBatchRun(plan, self._router, self._tracer, self._handoff)
 
     def _retire(self, queue: _Queue | None) -> None:
         """Let a replaced queue finish what it holds, in a task kept until it has."""
@@ -163,12 +169,20 @@ class EnsembleQueues:
 
 class EnsembleBatchRun:
     """One (possibly stacked) request through the plan, each step one message to
-    its stage on an open stream (router.forward), flagged as a gathered batch."""
+    its stage on an open stream (router.forward), flagged as a gathered batch; its
+    large tensors in shared-memory buffers with ``handoff`` (handoff.py)."""
 
-    def __init__(self, plan: EnsemblePlan, router: StageRouter, tracer: trace.Tracer) -> None:
+    def __init__(
+        self,
+        plan: EnsemblePlan,
+        router: StageRouter,
+        tracer: trace.Tracer,
+        handoff: HandoffPool | None = None,
+    ) -> None:
         self._plan = plan
         self._router = router
         self._tracer = tracer
+        self._handoff = handoff
 
     async def __call__(self, request: InferRequest) -> InferResponse:
         """The plan's outputs that ``request`` asked for (all when it named none)."""
@@ -177,9 +191,19 @@ class EnsembleBatchRun:
             parameters["priority"] = pb.InferParameter(int64_param=request.priority)
         if request.timeout_us:
             parameters["timeout"] = pb.InferParameter(int64_param=request.timeout_us)
-        return await self._plan.run_arrays(
-            request, self._step_call(request.id, parameters), self._tracer
-        )
+        if self._handoff is None:
+            return await self._plan.run_arrays(
+                request, self._step_call(request.id, parameters), self._tracer
+            )
+        scope = HandoffScope(self._handoff)
+        call = handoff_call(self._router, scope, self._plan.intermediate, request.id, parameters)
+        succeeded = False
+        try:
+            answer = await self._plan.run_arrays(request, call, self._tracer)
+            succeeded = True
+            return answer
+        finally:
+            scope.release(succeeded)
 
     def _step_call(self, request_id: str, parameters: dict[str, pb.InferParameter]) -> StepCall:
         async def call(step: Step, inputs: Outputs, outputs: list[str]) -> Outputs:

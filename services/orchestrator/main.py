@@ -18,6 +18,7 @@ from services.batch.job_api import add_job_api
 from services.orchestrator.core import Orchestrator
 from services.orchestrator.discovery import Resolver
 from services.orchestrator.ensembles import EnsembleRegistry
+from services.orchestrator.handoff import HandoffPool
 from services.orchestrator.mesh_api import MESH_SERVICE_NAME, MeshApiServicer, add_mesh_api
 from services.orchestrator.route_api import ROUTE_SERVICE_NAME, RouteApiServicer, add_route_api
 from services.orchestrator.route_table import RouteTable
@@ -101,7 +102,8 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
     )
     routes = RouteTable(load_routes(config.model_repository), parts.registry)
     regions = SharedMemoryRegions(config.allow_client_shm)
-    core = Orchestrator(router, ensembles, tracer, routes, regions)
+    handoff = HandoffPool() if config.shm_handoff else None
+    core = Orchestrator(router, ensembles, tracer, routes, regions, handoff)
     servicer = OrchestratorServicer(core)
     parts.servicers = [
         (add_orchestrator, servicer),
@@ -118,6 +120,8 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
     parts.wire_handlers = {INFER_METHOD: servicer.forward_infer}
     parts.on_start = [start]
     parts.on_stop = [routes.close, core.runner.close, router.stop, regions.close]
+    if handoff is not None:
+        parts.on_stop.append(handoff.aclose)
     add_job_api(parts)  # batch jobs' meshserve.v1 API, when a job queue is configured
     return parts
 

@@ -39,7 +39,7 @@ from opentelemetry import trace
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from inference import model_config_pb2 as mc
-from services.orchestrator.discovery import Resolver, is_address, split_target
+from services.orchestrator.discovery import Resolver, is_address, is_local, split_target
 from services.orchestrator.forward_stream import ForwardStream, NotForwarding
 from services.orchestrator.stage_stream import StageStream
 from shared.channels import open_channels, open_stream_channels
@@ -47,6 +47,7 @@ from shared.config import MAX_MESSAGE_BYTES
 from shared.errors import Cancelled, InvalidArgument, MeshError, NotFound, Unavailable
 from shared.h2grpc.client import LeanChannel
 from shared.rpc import remote
+from shared.shared_memory import HANDOFF_EXTENSION
 from shared.tracing import client_span, current_carrier
 
 if TYPE_CHECKING:
@@ -122,6 +123,9 @@ class Endpoint:
     """Models this replica lists but has not loaded yet while it starts (its health
     is NOT_SERVING until every model it loads at start is in): UNAVAILABLE, not unknown."""
     ready: bool = False
+    handoff: bool = False
+    """Whether the replica is on this host and takes tensors in the orchestrator's
+    shared-memory buffers (its ServerMetadata lists the extension; handoff.py)."""
     in_flight: int = 0
     spare_count: int = 0
     """How many streams to keep opened ahead (StageStream)."""
@@ -413,6 +417,7 @@ class StageRouter:
             return
         if not endpoint.ready:
             log.info("%s is ready", endpoint.describe())
+            endpoint.handoff = is_local(endpoint.address.target) and await _hands_off(endpoint)
         endpoint.models = {model.name for model in index.models if model.state == "READY"}
         endpoint.listed = {model.name for model in index.models}
         endpoint.load_errors = _load_errors(index)
@@ -427,6 +432,12 @@ class StageRouter:
     def stage_names(self, model: str) -> list[str]:
         """Names of the stages hosting ``model``."""
         return sorted({e.address.stage for e in self.replicas(model)})
+
+    def local(self, model: str) -> bool:
+        """True when every replica known to serve ``model`` takes tensors in the
+        orchestrator's shared-memory buffers (on this host, with the setting on)."""
+        replicas = self.replicas(model)
+        return bool(replicas) and all(e.handoff for e in replicas)
 
     def hosts(self, model: str) -> bool:
         """True when some ready replica serves ``model``."""
@@ -572,6 +583,19 @@ async def _index(endpoint: Endpoint) -> pb.RepositoryIndexResponse:
             request, timeout=5
         )
     return index
+
+
+async def _hands_off(endpoint: Endpoint) -> bool:
+    """Whether the replica lists the handoff extension (False when it cannot say)."""
+    try:
+        with remote():
+            request = pb.ServerMetadataRequest()
+            answer: pb.ServerMetadataResponse = await endpoint.stub().ServerMetadata(
+                request, timeout=5
+            )
+    except MeshError:
+        return False
+    return HANDOFF_EXTENSION in answer.extensions
 
 
 def _load_errors(index: pb.RepositoryIndexResponse) -> dict[str, str]:

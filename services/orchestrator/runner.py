@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from opentelemetry import trace
 
@@ -31,6 +31,7 @@ from services.orchestrator.ensemble import (
 )
 from services.orchestrator.ensemble_queues import EnsembleQueues
 from services.orchestrator.ensembles import ENSEMBLE_VERSION, EnsembleRegistry
+from services.orchestrator.handoff import HandoffPool, HandoffScope, handoff_call
 from services.orchestrator.route_headers import FINAL_ONLY_PARAMETER
 from services.orchestrator.router import StageRouter
 from services.orchestrator.step_wire import answer_tensors, request_bytes
@@ -93,12 +94,15 @@ class EnsembleRunner:
         ensembles: EnsembleRegistry,
         nested: NestedInfer,
         tracer: trace.Tracer,
+        handoff: HandoffPool | None = None,
     ) -> None:
         self.router = router
         self.ensembles = ensembles
         self.nested = nested
         self.tracer = tracer
-        self.queues = EnsembleQueues(router, ensembles, tracer)
+        self.handoff = handoff
+        """Shared-memory buffers for steps' large tensors (handoff.py); None: messages."""
+        self.queues = EnsembleQueues(router, ensembles, tracer, handoff)
 
     async def infer(
         self, plan: EnsemblePlan, request: pb.ModelInferRequest, deadline: Deadline
@@ -107,8 +111,16 @@ class EnsembleRunner:
         classify = self._classifier(plan, request)
 
         async def alone() -> Outputs:
-            call = self._step_call(request, deadline)
-            return await self.ensembles.run(plan, wire_inputs(request), call, self.tracer)
+            scope = HandoffScope(self.handoff) if self.handoff is not None else None
+            call = self._step_call(request, deadline, scope=scope, plan=plan)
+            succeeded = False
+            try:
+                outputs = await self.ensembles.run(plan, wire_inputs(request), call, self.tracer)
+                succeeded = True
+                return outputs
+            finally:
+                if scope is not None:
+                    scope.release(succeeded)
 
         # Through the ensemble's queue: with the requests waiting beside it, as one
         # batch, else alone (ensemble_queues.py).
@@ -183,18 +195,35 @@ class EnsembleRunner:
         request: pb.ModelInferRequest,
         deadline: Deadline,
         streams: StepStreams | None = None,
+        scope: HandoffScope | None = None,
+        plan: EnsemblePlan | None = None,
     ) -> StepCall:
-        """Run one step: a ModelInfer, or a message on the step's open stream."""
+        """Run one step: a ModelInfer, or a message on the step's open stream (its
+        large tensors in ``scope``'s buffers where it has one)."""
 
         parameters = {
             key: request.parameters[key]
             for key in ("priority", "timeout")
             if key in request.parameters
         }
+        handed = None
+        if scope is not None and plan is not None:
+            handed = handoff_call(
+                self.router,
+                scope,
+                plan.intermediate,
+                request.id,
+                parameters,
+                deadline.remaining,
+            )
 
         async def call(step: Step, inputs: Outputs, outputs: list[str]) -> Outputs:
-            data = request_bytes(step, inputs, outputs, request.id, parameters)
             nested = self.ensembles.get(step.model) is not None
+            if handed is not None and not nested and streams is None:
+                return await handed(step, inputs, outputs)
+            if any(tensor.handoff for tensor in inputs.values()):
+                inputs = {name: replace(t, handoff="") for name, t in inputs.items()}
+            data = request_bytes(step, inputs, outputs, request.id, parameters)
             if not nested and streams is None and deadline.at is None:
                 # No deadline to pass on: as a forwarded request, a message on an open
                 # stream with its trace context (forward_stream.py), which costs the

@@ -1,0 +1,154 @@
+"""The orchestrator's handoff buffers (services/orchestrator/handoff.py) and a stage's
+side of them (shared/shared_memory.py), on real POSIX shared memory."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from inference import grpc_service_pb2 as pb
+from services.orchestrator.ensemble import Step, TensorSpec, WireTensor
+from services.orchestrator.handoff import (
+    MIN_BYTES,
+    HandoffPool,
+    HandoffScope,
+    output_bytes,
+    placements,
+)
+from shared.errors import InvalidArgument
+from shared.shared_memory import BYTE_SIZE, HANDOFF, SHM_ROOT, SharedMemoryRegions
+
+
+@pytest.fixture
+def pool() -> Iterator[HandoffPool]:
+    made = HandoffPool(limit_bytes=4 * MIN_BYTES)
+    yield made
+    made.close()
+
+
+def test_buffers_are_reused_by_size_and_capped(pool: HandoffPool) -> None:
+    first = pool.take(1000)
+    assert first is not None and first.size == MIN_BYTES
+    assert (SHM_ROOT / first.key).stat().st_mode & 0o777 == 0o600
+    pool.give(first)
+    assert pool.take(MIN_BYTES) is first
+    big = pool.take(MIN_BYTES + 1)
+    assert big is not None and big.size == 2 * MIN_BYTES
+    assert pool.take(2 * MIN_BYTES) is None  # over the limit: messages instead
+    pool.discard(big)
+    assert not (SHM_ROOT / big.key).exists()
+    pool.give(first)
+
+
+def test_a_failed_run_unlinks_its_buffers_a_good_one_keeps_them(pool: HandoffPool) -> None:
+    tensor = WireTensor(
+        "FP32", (MIN_BYTES // 4,), np.arange(MIN_BYTES // 4, dtype=np.float32).view(np.uint8).data
+    )
+    scope = HandoffScope(pool)
+    placed = scope.placed(tensor)
+    assert placed.handoff and bytes(placed.raw) == bytes(tensor.raw)
+    assert scope.placed(placed) is placed  # already in a buffer
+    small = WireTensor("FP32", (4,), b"\0" * 16)
+    assert scope.placed(small) is small
+    scope.release(succeeded=True)
+    assert pool.held_bytes == MIN_BYTES
+    again = HandoffScope(pool)
+    assert again.placed(tensor).handoff == placed.handoff  # the same buffer, reused
+    again.release(succeeded=False)
+    assert pool.held_bytes == 0 and not (SHM_ROOT / placed.handoff).exists()
+
+
+def test_buffers_of_a_dead_orchestrator_are_swept() -> None:
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    stale = SHM_ROOT / f"meshserve-handoff-{int(gone.stdout)}-0"
+    stale.write_bytes(b"x")
+    try:
+        HandoffPool()
+        assert not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize(
+    ("datatype", "shape", "rows", "expected"),
+    [
+        ("FP32", (-1, 3, 224, 224), 2, 2 * 3 * 224 * 224 * 4),
+        ("FP32", (1000,), 5, 4000),  # a model without a batch dim
+        ("FP32", (-1, -1), 2, None),  # a dim left open
+        ("BYTES", (-1, 1), 2, None),
+    ],
+)
+def test_output_sizes_come_from_the_spec_and_the_rows(
+    datatype: str, shape: tuple[int, ...], rows: int, expected: int | None
+) -> None:
+    inputs = {"X": WireTensor("FP32", (rows, 7), b"")}
+    assert output_bytes(TensorSpec("Y", datatype, shape), inputs) == expected
+
+
+def test_only_later_steps_tensors_get_a_placement(pool: HandoffPool) -> None:
+    step = Step(0, "pre", "", {"RAW": "raw"}, {"OUT": "tensor", "AUX": "aux"})
+    inputs = {"RAW": WireTensor("UINT8", (1, 10), b"\0" * 10)}
+    intermediate = {"tensor": TensorSpec("tensor", "FP32", (-1, 32768))}  # aux: an output
+    scope = HandoffScope(pool)
+    found = placements(scope, step, ["OUT", "AUX"], inputs, intermediate)
+    assert list(found) == ["OUT"] and found["OUT"].size == 2 * MIN_BYTES
+    scope.release(succeeded=False)
+
+
+def test_a_stage_reads_and_writes_a_handoff_buffer(pool: HandoffPool) -> None:
+    buffer = pool.take(MIN_BYTES)
+    assert buffer is not None
+    buffer.memory[:16] = np.arange(4, dtype=np.float32).tobytes()
+    stage = SharedMemoryRegions(allowed=False, handoff=True)
+    request = pb.ModelInferRequest(model_name="m")
+    tensor = request.inputs.add(name="X", datatype="FP32", shape=[1, 4])
+    tensor.parameters[HANDOFF].string_param = buffer.key
+    tensor.parameters[BYTE_SIZE].int64_param = 16
+    wanted = request.outputs.add(name="Y")
+    wanted.parameters[HANDOFF].string_param = buffer.key
+    wanted.parameters[BYTE_SIZE].int64_param = 8
+    placed = stage.resolve(request)
+    assert np.frombuffer(request.raw_input_contents[0], np.float32).tolist() == [0, 1, 2, 3]
+    # An output larger than its buffer stays in the message, without the key.
+    response = pb.ModelInferResponse(model_name="m")
+    response.outputs.add(name="Y")
+    response.raw_output_contents.append(b"\1" * 16)
+    stage.place(response, placed)
+    assert response.raw_output_contents[0] == b"\1" * 16
+    assert HANDOFF not in response.outputs[0].parameters
+    # One that fits is written there, and the answer names the buffer and the size.
+    response.raw_output_contents[0] = b"\2" * 8
+    stage.place(response, placed)
+    assert response.raw_output_contents[0] == b""
+    assert response.outputs[0].parameters[HANDOFF].string_param == buffer.key
+    assert response.outputs[0].parameters[BYTE_SIZE].int64_param == 8
+    assert bytes(buffer.memory[:8]) == b"\2" * 8
+    pool.discard(buffer)
+
+
+@pytest.mark.parametrize(
+    ("handoff", "key", "message"),
+    [
+        (False, "meshserve-handoff-1-1", "this service has shm_handoff off"),
+        (True, "psm_other_object", "is not a handoff buffer's name"),
+        (True, "meshserve-handoff-1-999999", "cannot open handoff buffer"),
+    ],
+)
+def test_a_stage_refuses_what_is_not_a_handoff_buffer(
+    handoff: bool, key: str, message: str
+) -> None:
+    request = pb.ModelInferRequest(model_name="m")
+    tensor = request.inputs.add(name="X", datatype="FP32", shape=[1, 4])
+    tensor.parameters[HANDOFF].string_param = key
+    tensor.parameters[BYTE_SIZE].int64_param = 16
+    with pytest.raises(InvalidArgument, match=message):
+        SharedMemoryRegions(allowed=False, handoff=handoff).resolve(request)
