@@ -310,10 +310,19 @@ class SharedMemoryRegions:
             ) from None
         size = os.fstat(fd).st_size
         region = _Region(RegionStatus(key, key, 0, size), fd)
+        self._close_unlinked()
         self._handoffs[key] = region
         if len(self._handoffs) > OPEN_HANDOFFS:
             os.close(self._handoffs.popitem(last=False)[1].fd)
         return region
+
+    def _close_unlinked(self) -> None:
+        """Close the buffers the orchestrator removed (after a failed request): an
+        open descriptor would keep their memory taken. A new buffer is when to look."""
+        for key, region in list(self._handoffs.items()):
+            if os.fstat(region.fd).st_nlink == 0:
+                os.close(region.fd)
+                del self._handoffs[key]
 
     @staticmethod
     def _span(region: _Region, offset: int, size: int, what: str) -> _Region:

@@ -43,6 +43,8 @@ MIN_BYTES = 64 * 1024
 """Tensors smaller than this travel in the message (a buffer costs more than it saves)."""
 POOL_BYTES = 512 << 20
 """Shared memory the orchestrator's buffers may take in all; past it, messages again."""
+POOL_BUFFERS = 512
+"""Buffers that may exist at once (each mapping holds a file descriptor)."""
 
 Outputs = dict[str, WireTensor]
 
@@ -66,6 +68,7 @@ class HandoffPool:
         self._free: dict[int, list[HandoffBuffer]] = {}
         self.held_bytes = 0
         """Bytes of every buffer that exists (free or taken)."""
+        self.held_count = 0
         self._warned = False
         _sweep()
 
@@ -75,7 +78,7 @@ class HandoffPool:
         free = self._free.get(capacity)
         if free:
             return free.pop()
-        if self.held_bytes + capacity > self.limit_bytes:
+        if self.held_bytes + capacity > self.limit_bytes or self.held_count >= POOL_BUFFERS:
             return None
         key = f"{self._prefix}{next(self._numbers)}"
         fd = os.open(SHM_ROOT / key, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -93,6 +96,7 @@ class HandoffPool:
         finally:
             os.close(fd)
         self.held_bytes += capacity
+        self.held_count += 1
         return HandoffBuffer(key, capacity, memory)
 
     def give(self, buffer: HandoffBuffer) -> None:
@@ -102,6 +106,7 @@ class HandoffPool:
     def discard(self, buffer: HandoffBuffer) -> None:
         """Unlink ``buffer``: a stage that still writes there writes to no one."""
         self.held_bytes -= buffer.size
+        self.held_count -= 1
         with contextlib.suppress(FileNotFoundError):
             os.unlink(SHM_ROOT / buffer.key)
 

@@ -3,6 +3,9 @@ side of them (shared/shared_memory.py), on real POSIX shared memory."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -152,3 +155,44 @@ def test_a_stage_refuses_what_is_not_a_handoff_buffer(
     tensor.parameters[BYTE_SIZE].int64_param = 16
     with pytest.raises(InvalidArgument, match=message):
         SharedMemoryRegions(allowed=False, handoff=handoff).resolve(request)
+
+
+def test_a_stage_closes_the_buffers_the_orchestrator_removed(pool: HandoffPool) -> None:
+    stage = SharedMemoryRegions(allowed=False, handoff=True)
+
+    def read(key: str) -> None:
+        request = pb.ModelInferRequest(model_name="m")
+        tensor = request.inputs.add(name="X", datatype="UINT8", shape=[1, 8])
+        tensor.parameters[HANDOFF].string_param = key
+        tensor.parameters[BYTE_SIZE].int64_param = 8
+        stage.resolve(request)
+
+    def removed_buffer() -> str:
+        """A buffer the stage read, then unlinked (a failed run's) and unmapped here."""
+        buffer = pool.take(8)
+        assert buffer is not None
+        read(buffer.key)
+        pool.discard(buffer)
+        return buffer.key
+
+    removed = removed_buffer()
+    gc.collect()
+    # (Another test's stage may hold a buffer of that name too: pools in one process
+    # number theirs alike. Count.)
+    held = open_files().count(removed)
+    assert held >= 1  # the stage still holds it open
+    second = pool.take(8)
+    assert second is not None
+    read(second.key)  # opening the next one closes it
+    assert open_files().count(removed) == held - 1 and second.key in open_files()
+    pool.discard(second)
+
+
+def open_files() -> str:
+    """Where this process's descriptors point, one per line."""
+    folder = "/proc/self/fd"
+    links = []
+    for name in os.listdir(folder):
+        with contextlib.suppress(OSError):
+            links.append(os.readlink(f"{folder}/{name}"))
+    return "\n".join(links)
