@@ -26,7 +26,8 @@ from tests.harness import run_client
 from tests.in_process import MeshThread
 
 
-def scale_model(repo: Path, name: str, factor: float, sleep_ms: int = 0) -> None:
+def scale_model(repo: Path, name: str, factor: float, sleep_ms: int = 0, width: int = 4) -> None:
+    """The python model ``scale`` as ``name``: Y = X * factor, rows of ``width`` FP32."""
     shutil.copytree(DATA / "models" / "scale", repo / name)
     config = repo / name / "config.pbtxt"
     config.write_text(
@@ -34,6 +35,7 @@ def scale_model(repo: Path, name: str, factor: float, sleep_ms: int = 0) -> None
         .replace('name: "scale"', f'name: "{name}"')
         .replace('string_value: "2"', f'string_value: "{factor}"')
         .replace('string_value: "0"', f'string_value: "{sleep_ms}"')
+        .replace("dims: [ 4 ]", f"dims: [ {width} ]")
     )
 
 

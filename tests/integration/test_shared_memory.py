@@ -15,12 +15,11 @@ from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import DATA
 from tests.harness import ServiceProcess, run_client
+from tests.integration.test_orchestrator import ensemble
 
 ALLOW = "--allow-client-shm=true"  # as Triton spells it
 # add_sub as a one-step ensemble: its request is read and answered by the core.
 PIPELINE = """
-platform: "ensemble"
-max_batch_size: 8
 input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] },
         { name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]
 output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] },
@@ -37,8 +36,7 @@ ensemble_scheduling { step [
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("shm-repo")
     shutil.copytree(DATA / "models" / "add_sub", root / "add_sub")
-    (root / "pipeline" / "1").mkdir(parents=True)
-    (root / "pipeline" / "config.pbtxt").write_text(PIPELINE)
+    ensemble(root, "pipeline", PIPELINE)
     return root
 
 

@@ -4,7 +4,6 @@ removed, and a stage without the setting gets messages."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,14 +16,12 @@ from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.shared_memory import SHM_ROOT
 from shared.tensors import decode_outputs, encode_inputs
-from tests.conftest import DATA
 from tests.harness import ServiceProcess
+from tests.integration.test_orchestrator import ensemble, scale_model
 
 WIDTH = 32768  # 128 KB of FP32 a row: over the handoff's 64 KB threshold
 ON = "--shm-handoff=true"
 PIPELINE = """
-platform: "ensemble"
-max_batch_size: 8
 input [ { name: "X" data_type: TYPE_FP32 dims: [ WIDTH ] } ]
 output [ { name: "Y" data_type: TYPE_FP32 dims: [ WIDTH ] } ]
 ensemble_scheduling { step [
@@ -36,24 +33,12 @@ ensemble_scheduling { step [
 """.replace("WIDTH", str(WIDTH))
 
 
-def scale(repo: Path, name: str, factor: int) -> None:
-    shutil.copytree(DATA / "models" / "scale", repo / name)
-    config = repo / name / "config.pbtxt"
-    config.write_text(
-        config.read_text()
-        .replace('name: "scale"', f'name: "{name}"')
-        .replace('string_value: "2"', f'string_value: "{factor}"')
-        .replace("dims: [ 4 ]", f"dims: [ {WIDTH} ]")
-    )
-
-
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("handoff-repo")
-    scale(root, "double", 2)
-    scale(root, "triple", 3)
-    (root / "pipeline" / "1").mkdir(parents=True)
-    (root / "pipeline" / "config.pbtxt").write_text(PIPELINE)
+    scale_model(root, "double", 2, width=WIDTH)
+    scale_model(root, "triple", 3, width=WIDTH)
+    ensemble(root, "pipeline", PIPELINE)
     return root
 
 
