@@ -28,6 +28,7 @@ import mmap
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Protocol
 
 from inference import grpc_service_pb2 as pb
@@ -81,20 +82,13 @@ class HandoffPool:
         if self.held_bytes + capacity > self.limit_bytes or self.held_count >= POOL_BUFFERS:
             return None
         key = f"{self._prefix}{next(self._numbers)}"
-        fd = os.open(SHM_ROOT / key, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            # Pages reserved now: a full /dev/shm (a container's 64 MB) then fails
-            # here, and the step goes in messages, instead of a SIGBUS on a write.
-            os.posix_fallocate(fd, 0, capacity)
-            memory = mmap.mmap(fd, capacity)
+            memory = _created(SHM_ROOT / key, capacity)
         except OSError as exc:
-            os.unlink(SHM_ROOT / key)
             if not self._warned:
                 self._warned = True
                 log.warning("no handoff buffer of %d bytes (%s): messages instead", capacity, exc)
             return None
-        finally:
-            os.close(fd)
         self.held_bytes += capacity
         self.held_count += 1
         return HandoffBuffer(key, capacity, memory)
@@ -120,6 +114,22 @@ class HandoffPool:
             for buffer in buffers:
                 self.discard(buffer)
         self._free.clear()
+
+
+def _created(path: Path, size: int) -> mmap.mmap:
+    """A new shared-memory object of ``size`` bytes at ``path``, mapped; OSError (and
+    nothing left behind) when it cannot be made."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        # Pages reserved now: a full /dev/shm (a container's 64 MB) then fails
+        # here, and the step goes in messages, instead of a SIGBUS on a write.
+        os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(fd, size)
+    except OSError:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
 
 
 def _sweep() -> None:

@@ -196,3 +196,13 @@ def open_files() -> str:
         with contextlib.suppress(OSError):
             links.append(os.readlink(f"{folder}/{name}"))
     return "\n".join(links)
+
+
+def test_a_buffer_that_cannot_be_made_means_messages_not_an_error() -> None:
+    taken = SHM_ROOT / f"meshserve-handoff-{os.getpid()}-0"  # a new pool's first name
+    taken.write_bytes(b"someone else's")
+    try:
+        assert HandoffPool().take(MIN_BYTES) is None
+        assert taken.read_bytes() == b"someone else's"
+    finally:
+        taken.unlink()
