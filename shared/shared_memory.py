@@ -237,7 +237,12 @@ class SharedMemoryRegions:
                 )
             region = self._lookup(placement.region, placement.handoff, what)
             self._span(region, placement.offset, len(data), what)
-            written = os.pwrite(region.fd, data, region.status.offset + placement.offset)
+            try:
+                written = os.pwrite(region.fd, data, region.status.offset + placement.offset)
+            except OSError as exc:  # a full /dev/shm where the object was sparse
+                raise InvalidArgument(
+                    f"{what}: cannot write region '{placement.region}': {exc.strerror}"
+                ) from None
             if written != len(data):
                 raise InvalidArgument(
                     f"{what}: region '{placement.region}' took only {written} bytes"
@@ -336,7 +341,12 @@ class SharedMemoryRegions:
 
     @staticmethod
     def _read(region: _Region, offset: int, size: int, what: str) -> bytes:
-        data = os.pread(region.fd, size, region.status.offset + offset)
+        try:
+            data = os.pread(region.fd, size, region.status.offset + offset)
+        except OSError as exc:
+            raise InvalidArgument(
+                f"{what}: cannot read region '{region.status.name}': {exc.strerror}"
+            ) from None
         if len(data) != size:
             raise InvalidArgument(
                 f"{what}: shared-memory object {region.status.key!r:.80} holds fewer bytes than "
