@@ -23,6 +23,7 @@ import json
 import time
 from collections.abc import AsyncGenerator, Mapping
 
+from google.protobuf.message import DecodeError
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
@@ -122,7 +123,12 @@ class Orchestrator:
         on_stream = request_id if timeout_s is None else None
         if not self.regions or SHARED_MEMORY_MARK not in request:
             return await self.router.forward(model, request, timeout_s, on_stream)
-        decoded = pb.ModelInferRequest.FromString(request)
+        try:
+            decoded = pb.ModelInferRequest.FromString(request)
+        except DecodeError:
+            raise InvalidArgument(
+                "the request is not a valid inference.ModelInferRequest message"
+            ) from None
         placements = self.regions.resolve(decoded)
         answer = await self.router.forward(model, decoded.SerializeToString(), timeout_s, on_stream)
         if not placements:
