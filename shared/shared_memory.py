@@ -34,10 +34,12 @@ import os
 import re
 import stat
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from google.protobuf.message import DecodeError
 
 from inference import grpc_service_pb2 as pb
 from shared.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Overloaded
@@ -216,6 +218,23 @@ class SharedMemoryRegions:
                 placements.append(Placement(output.name, name, offset, size, HANDOFF in params))
                 _strip(params)
         return placements
+
+    async def forwarded(self, request: bytes, send: Callable[[bytes], Awaitable[bytes]]) -> bytes:
+        """The answer ``send`` gets for serialised ``request``, its regions read
+        before and written after (the request and answer decoded for it)."""
+        try:
+            decoded = pb.ModelInferRequest.FromString(request)
+        except DecodeError:
+            raise InvalidArgument(
+                "the request is not a valid inference.ModelInferRequest message"
+            ) from None
+        placements = self.resolve(decoded)
+        answer = await send(decoded.SerializeToString())
+        if not placements:
+            return answer
+        response = pb.ModelInferResponse.FromString(answer)
+        self.place(response, placements)
+        return response.SerializeToString()
 
     def place(self, response: pb.ModelInferResponse, placements: Iterable[Placement]) -> None:
         """Write each placed output of ``response`` into its region; its raw entry empties."""

@@ -23,7 +23,6 @@ import json
 import time
 from collections.abc import AsyncGenerator, Mapping
 
-from google.protobuf.message import DecodeError
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
@@ -123,19 +122,9 @@ class Orchestrator:
         on_stream = request_id if timeout_s is None else None
         if not self.regions or SHARED_MEMORY_MARK not in request:
             return await self.router.forward(model, request, timeout_s, on_stream)
-        try:
-            decoded = pb.ModelInferRequest.FromString(request)
-        except DecodeError:
-            raise InvalidArgument(
-                "the request is not a valid inference.ModelInferRequest message"
-            ) from None
-        placements = self.regions.resolve(decoded)
-        answer = await self.router.forward(model, decoded.SerializeToString(), timeout_s, on_stream)
-        if not placements:
-            return answer
-        response = pb.ModelInferResponse.FromString(answer)
-        self.regions.place(response, placements)
-        return response.SerializeToString()
+        return await self.regions.forwarded(
+            request, lambda data: self.router.forward(model, data, timeout_s, on_stream)
+        )
 
     async def _infer(
         self, request: pb.ModelInferRequest, deadline: Deadline
