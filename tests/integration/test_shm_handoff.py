@@ -4,6 +4,8 @@ removed, and a stage without the setting gets messages."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -72,10 +74,20 @@ def buffers(pid: int) -> list[Path]:
     return sorted(SHM_ROOT.glob(f"meshserve-handoff-{pid}-*"))
 
 
+def opened_by(pid: int) -> list[str]:
+    """The files process ``pid`` holds open."""
+    folder = Path(f"/proc/{pid}/fd")
+    found = []
+    for link in folder.iterdir():
+        with contextlib.suppress(OSError):
+            found.append(os.readlink(link))
+    return found
+
+
 def test_the_answers_are_those_of_messages_and_the_buffers_are_used(
     handing_off: tuple[ServiceProcess, ServiceProcess],
 ) -> None:
-    _, orchestrator = handing_off
+    stage, orchestrator = handing_off
     rng = np.random.default_rng(7)
     batches = [rng.standard_normal((1 + i % 3, WIDTH)).astype(np.float32) for i in range(12)]
     # Concurrent callers: their requests also cross the steps stacked as one batch.
@@ -83,10 +95,12 @@ def test_the_answers_are_those_of_messages_and_the_buffers_are_used(
         answers = list(pool.map(lambda rows: infer(orchestrator.address, rows), batches))
     for rows, answer in zip(batches, answers, strict=True):
         np.testing.assert_array_equal(answer, rows * 6)
-    # The orchestrator's buffers exist and are only its user's to open.
+    # The orchestrator's buffers exist, are only its user's to open, and the stage
+    # has them open: the tensors went through them, not only the answers' names.
     made = buffers(orchestrator.proc.pid)
     assert made, "no handoff buffer was made"
     assert all(path.stat().st_mode & 0o077 == 0 for path in made)
+    assert set(opened_by(stage.proc.pid)) & {str(path) for path in made}
 
 
 def test_the_buffers_go_when_the_orchestrator_stops(repo: Path) -> None:
@@ -111,6 +125,7 @@ def test_a_stage_without_the_setting_gets_messages(repo: Path) -> None:
         rows = np.full((2, WIDTH), 0.5, dtype=np.float32)
         np.testing.assert_array_equal(infer(orchestrator.address, rows), rows * 6)
         assert buffers(orchestrator.proc.pid) == []
+        assert not [f for f in opened_by(stage.proc.pid) if "meshserve-handoff" in f]
     finally:
         orchestrator.stop()
         stage.stop()
