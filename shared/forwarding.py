@@ -36,6 +36,7 @@ from meshserve.v1 import forwarding_pb2
 from shared.errors import Cancelled, InvalidArgument, MeshError, Unavailable
 from shared.stream_tasks import StreamTasks
 from shared.wireformat import (
+    NOT_A_REQUEST,
     WireError,
     encode_varint,
     infer_header,
@@ -57,7 +58,6 @@ _REQUESTS = _ANSWERS = 1
 """Field number of the requests (ForwardRequest) and the answers (ForwardResponse)."""
 _WITHDRAWN = 2
 """Field number of the withdrawn requests' ids (ForwardRequest)."""
-NOT_A_REQUEST = "the request is not a valid inference.ModelInferRequest message"
 
 Answer = Callable[
     [pb.ModelInferRequest, Any, "MeshError | None"], Awaitable[pb.ModelStreamInferResponse]

@@ -39,11 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from google.protobuf.message import DecodeError
-
 from inference import grpc_service_pb2 as pb
 from shared.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Overloaded
 from shared.tensors import parameter_value
+from shared.wireformat import infer_request
 
 SHM_ROOT = Path("/dev/shm")
 """Where Linux keeps POSIX shared-memory objects (``shm_open`` names)."""
@@ -222,12 +221,7 @@ class SharedMemoryRegions:
     async def forwarded(self, request: bytes, send: Callable[[bytes], Awaitable[bytes]]) -> bytes:
         """The answer ``send`` gets for serialised ``request``, its regions read
         before and written after (the request and answer decoded for it)."""
-        try:
-            decoded = pb.ModelInferRequest.FromString(request)
-        except DecodeError:
-            raise InvalidArgument(
-                "the request is not a valid inference.ModelInferRequest message"
-            ) from None
+        decoded = infer_request(request)
         placements = self.resolve(decoded)
         answer = await send(decoded.SerializeToString())
         if not placements:

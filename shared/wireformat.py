@@ -17,6 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from google.protobuf.message import DecodeError
+
+from inference import grpc_service_pb2 as pb
+from shared.errors import InvalidArgument
+
 _LENGTH_DELIMITED = 2
 _FIXED = {1: 8, 5: 4}
 """Wire types of fixed size -> their byte count (64-bit, 32-bit)."""
@@ -141,6 +146,18 @@ def infer_header(data: bytes) -> InferHeader:
         )
     except UnicodeDecodeError as exc:
         raise WireError(f"a string field is not UTF-8: {exc}") from None
+
+
+NOT_A_REQUEST = "the request is not a valid inference.ModelInferRequest message"
+
+
+def infer_request(data: bytes) -> pb.ModelInferRequest:
+    """A serialised ModelInferRequest decoded whole (for a hop that must read its
+    tensors); INVALID_ARGUMENT when it is not one."""
+    try:
+        return pb.ModelInferRequest.FromString(data)
+    except DecodeError:
+        raise InvalidArgument(NOT_A_REQUEST) from None
 
 
 def encode_varint(value: int) -> bytes:

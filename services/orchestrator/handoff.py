@@ -228,6 +228,14 @@ def placements(
     return found
 
 
+def in_messages(inputs: dict[str, WireTensor]) -> dict[str, WireTensor]:
+    """``inputs`` to carry in a message: those in a buffer no longer name it (their
+    bytes are read from it); ``inputs`` itself when none is in one."""
+    if not any(tensor.handoff for tensor in inputs.values()):
+        return inputs
+    return {name: replace(tensor, handoff="") for name, tensor in inputs.items()}
+
+
 class Forwarder(Protocol):
     """What a step call needs of the router (router.StageRouter)."""
 
@@ -262,7 +270,7 @@ def handoff_call(
             buffers = placements(scope, step, outputs, inputs, intermediate)
             placed = {name: (buffer.key, buffer.size) for name, buffer in buffers.items()}
         else:
-            inputs = {name: replace(tensor, handoff="") for name, tensor in inputs.items()}
+            inputs = in_messages(inputs)
         data = request_bytes(step, inputs, outputs, request_id, parameters, placed)
         timeout = remaining()
         on_stream = request_id if timeout is None else None

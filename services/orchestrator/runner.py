@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from opentelemetry import trace
 
@@ -31,7 +31,7 @@ from services.orchestrator.ensemble import (
 )
 from services.orchestrator.ensemble_queues import EnsembleQueues
 from services.orchestrator.ensembles import ENSEMBLE_VERSION, EnsembleRegistry
-from services.orchestrator.handoff import HandoffPool, HandoffScope, handoff_call
+from services.orchestrator.handoff import HandoffPool, HandoffScope, handoff_call, in_messages
 from services.orchestrator.route_headers import FINAL_ONLY_PARAMETER
 from services.orchestrator.router import StageRouter
 from services.orchestrator.step_wire import answer_tensors, request_bytes
@@ -221,8 +221,7 @@ class EnsembleRunner:
             nested = self.ensembles.get(step.model) is not None
             if handed is not None and not nested and streams is None:
                 return await handed(step, inputs, outputs)
-            if any(tensor.handoff for tensor in inputs.values()):
-                inputs = {name: replace(t, handoff="") for name, t in inputs.items()}
+            inputs = in_messages(inputs)
             data = request_bytes(step, inputs, outputs, request.id, parameters)
             if not nested and streams is None and deadline.at is None:
                 # No deadline to pass on: as a forwarded request, a message on an open

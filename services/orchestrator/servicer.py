@@ -19,16 +19,14 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol, TypeAlias, TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from services.orchestrator.core import Orchestrator
 from services.orchestrator.route_headers import announce_target, take_route_headers
-from shared.errors import InvalidArgument
 from shared.servicer import SERVICE_NAME, BaseServicer
-from shared.wireformat import WireError, infer_header
+from shared.wireformat import WireError, infer_header, infer_request
 
 Request = TypeVar("Request")
 Reply = TypeVar("Reply")
@@ -104,13 +102,7 @@ class OrchestratorServicer(BaseServicer):
             return await self.core.forward(
                 header.model_name, request, header.id, timeout_of(context)
             )
-        try:
-            decoded = pb.ModelInferRequest.FromString(request)
-        except DecodeError:
-            raise InvalidArgument(
-                "the request is not a valid inference.ModelInferRequest message"
-            ) from None
-        response = await self.ModelInfer(decoded, context)
+        response = await self.ModelInfer(infer_request(request), context)
         return response.SerializeToString()
 
     async def ModelInfer(
