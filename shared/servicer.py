@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Container, Sequence
 from typing import Any
 
 import grpc
@@ -83,8 +83,11 @@ def extensions(regions: SharedMemoryRegions) -> list[str]:
     return found
 
 
-def to_domain(request: pb.ModelInferRequest) -> InferRequest:
-    """A ModelInferRequest as the domain InferRequest."""
+def to_domain(
+    request: pb.ModelInferRequest, raws: Sequence[bytes | memoryview] | None = None
+) -> InferRequest:
+    """A ModelInferRequest as the domain InferRequest; ``raws``: its inputs' raw
+    contents where they came from shared memory (``SharedMemoryRegions.resolve_apart``)."""
     refuse_shared_memory(request)
     params = parameters_to_dict(request.parameters)
     priority = params.get("priority", 0)
@@ -100,7 +103,7 @@ def to_domain(request: pb.ModelInferRequest) -> InferRequest:
     return InferRequest(
         model_name=request.model_name,
         model_version=request.model_version,
-        inputs=decode_inputs(request),
+        inputs=decode_inputs(request, raws),
         requested_outputs=[output.name for output in request.outputs] or None,
         id=request.id,
         parameters=params,
@@ -111,15 +114,20 @@ def to_domain(request: pb.ModelInferRequest) -> InferRequest:
 
 
 def to_proto(
-    request: InferRequest, version: int, response: InferResponse, order: list[str]
+    request: InferRequest,
+    version: int,
+    response: InferResponse,
+    order: list[str],
+    elsewhere: Container[str] = (),
 ) -> pb.ModelInferResponse:
-    """A domain InferResponse as a ModelInferResponse (outputs raw, in config order)."""
+    """A domain InferResponse as a ModelInferResponse (outputs raw, in config order;
+    those in ``elsewhere``, already in shared memory, with empty raw contents)."""
     message = pb.ModelInferResponse(
         model_name=request.model_name, model_version=str(version), id=request.id
     )
     names = [name for name in order if name in response.outputs]
     names += [name for name in response.outputs if name not in names]
-    encode_outputs(message, response.outputs, names)
+    encode_outputs(message, response.outputs, names, elsewhere)
     for key, value in response.parameters.items():
         set_parameter(message.parameters, key, value)
     return message
@@ -466,13 +474,14 @@ class InferenceServicer(BaseServicer):
         context: grpc.aio.ServicerContext[pb.ModelInferRequest, Any],
     ) -> pb.ModelInferResponse:
         model = self.manager.get(request.model_name, request.model_version)
-        placements = self.regions.resolve(request)
-        domain = to_domain(request)
+        raws, placements = self.regions.resolve_apart(request)
+        domain = to_domain(request, raws)
         wanted = classification(request, model.spec.config, model.spec.model_dir)
         response = _classified(wanted, await model.infer(domain))
+        written = self.regions.write_arrays(response.outputs, placements)
         order = [o.name for o in model.spec.config.output]
-        answer = to_proto(domain, model.version, response, order)
-        self.regions.place(answer, placements)
+        answer = to_proto(domain, model.version, response, order, written)
+        self.regions.place(answer, placements, written)
         return answer
 
     async def stream_responses(

@@ -13,7 +13,7 @@ length followed by that many bytes; in numpy they are object arrays of
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -198,10 +198,13 @@ def _dtype(name: str, datatype: str) -> np.dtype[Any]:
     return dtype
 
 
-def refuse_mixed_contents(request: pb.ModelInferRequest) -> None:
+def refuse_mixed_contents(
+    request: pb.ModelInferRequest, raw: Sequence[bytes | memoryview] | None = None
+) -> None:
     """InvalidArgument for an input with typed ``contents`` in a request that also
-    carries ``raw_input_contents``, in Triton's words (its clients match on them)."""
-    if not request.raw_input_contents:
+    carries raw contents (``raw``, else its ``raw_input_contents``), in Triton's
+    words (its clients match on them)."""
+    if not (request.raw_input_contents if raw is None else raw):
         return
     for tensor in request.inputs:
         if tensor.HasField("contents"):
@@ -211,11 +214,14 @@ def refuse_mixed_contents(request: pb.ModelInferRequest) -> None:
             )
 
 
-def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
-    """All input tensors of a request, by name."""
+def decode_inputs(
+    request: pb.ModelInferRequest, raws: Sequence[bytes | memoryview] | None = None
+) -> dict[str, np.ndarray]:
+    """All input tensors of a request, by name; ``raws``: their raw contents where
+    they come from beside the message (shared memory) rather than in it."""
+    raw = request.raw_input_contents if raws is None else raws
     # Before the count check: Triton names the mixed input even when the counts differ.
-    refuse_mixed_contents(request)
-    raw = request.raw_input_contents
+    refuse_mixed_contents(request, raw)
     if raw and len(raw) != len(request.inputs):
         raise InvalidArgument(
             f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
@@ -231,7 +237,7 @@ def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _decode_one(tensor: Any, raw: bytes | None) -> np.ndarray:
+def _decode_one(tensor: Any, raw: bytes | memoryview | None) -> np.ndarray:
     """One input or output tensor, from its raw bytes or else its typed contents."""
     shape = list(tensor.shape)
     if raw is not None:
@@ -252,13 +258,15 @@ def encode_outputs(
     response: pb.ModelInferResponse,
     outputs: Mapping[str, np.ndarray],
     order: Iterable[str] | None = None,
+    elsewhere: Container[str] = (),
 ) -> None:
-    """Append ``outputs`` (in ``order`` if given) as raw output tensors."""
+    """Append ``outputs`` (in ``order`` if given) as raw output tensors; those named
+    in ``elsewhere`` (already written to shared memory) with empty raw contents."""
     for name in order if order is not None else outputs:
         array = outputs[name]
         tensor = response.outputs.add(name=name, datatype=datatype_of(array))
         tensor.shape.extend(int(dim) for dim in array.shape)
-        response.raw_output_contents.append(encode_raw(array))
+        response.raw_output_contents.append(b"" if name in elsewhere else encode_raw(array))
 
 
 def encode_inputs(request: pb.ModelInferRequest, inputs: Mapping[str, np.ndarray]) -> None:
