@@ -68,12 +68,15 @@ def decode_rgb(data: bytes, max_pixels: int = DEFAULT_CONFIG.max_pixels) -> Imag
     image = _open_checked(data, max_pixels)
     try:
         image.load()  # open() is lazy: truncated or corrupt pixel data fails only here
-        # Phones store rotation in EXIF instead of rotating pixels; users expect it applied.
-        upright = ImageOps.exif_transpose(image)
+        # Phones store rotation in EXIF instead of rotating pixels; users expect it
+        # applied. In place: otherwise an upright image is copied whole.
+        ImageOps.exif_transpose(image, in_place=True)
     except _DECODE_ERRORS as exc:
         raise _undecodable(data, exc) from exc
+    if image.mode == "RGB":
+        return image  # convert() would copy it
     # convert() handles palette, grayscale, CMYK and alpha (alpha is dropped).
-    return upright.convert("RGB")
+    return image.convert("RGB")
 
 
 # Pillow reports corrupt or unknown data as any of these, depending on the codec.

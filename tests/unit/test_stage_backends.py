@@ -29,7 +29,7 @@ from services.inference.onnx import OnnxBackend
 from services.postprocess.classify import ClassifyBackend, softmax_top_k, top_k_indices
 from services.postprocess.pool import EmbeddingPoolBackend
 from services.preprocess.backend import ImagePreprocessBackend
-from services.preprocess.transform import TransformConfig, preprocess
+from services.preprocess.transform import TransformConfig, decode_rgb, preprocess
 from services.tokenizer.backend import TokenizerBackend, parse_messages
 from shared.backend import InstanceSpec, ModelSpec, config_parameters
 from shared.errors import ConfigError, InvalidArgument
@@ -397,6 +397,25 @@ def test_preprocess_bad_item_fails_its_request_naming_the_item(tmp_path: Path) -
     np.testing.assert_array_equal(ok(good)["PIXELS"], expected[None])
     assert isinstance(bad, InvalidArgument)
     assert "IMAGE[1]" in str(bad) and "decode" in str(bad)
+
+
+def test_preprocess_turns_photos_upright_and_any_mode_into_rgb() -> None:
+    pixels = np.zeros((20, 40, 3), dtype=np.uint8)
+    pixels[:, :20] = (255, 0, 0)  # left half red, right half blue
+    pixels[:, 20:] = (0, 0, 255)
+    buffer = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: the camera was turned; rotate 90 degrees clockwise
+    Image.fromarray(pixels).save(buffer, format="PNG", exif=exif)
+    upright = decode_rgb(buffer.getvalue())
+    assert upright.mode == "RGB" and upright.size == (20, 40)
+    top, bottom = np.asarray(upright)[0, 10], np.asarray(upright)[-1, 10]
+    assert top.tolist() == [255, 0, 0] and bottom.tolist() == [0, 0, 255]
+
+    for mode in ("L", "P", "RGBA", "CMYK"):
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).convert(mode).save(buffer, format="TIFF")
+        assert decode_rgb(buffer.getvalue()).mode == "RGB", mode
 
 
 @pytest.mark.parametrize(
