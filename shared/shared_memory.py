@@ -433,4 +433,7 @@ def _mapped(fd: int) -> mmap.mmap | None:
         return None
     if info.st_uid != os.geteuid() or info.st_mode & 0o077:
         return None
-    return mmap.mmap(fd, info.st_size)
+    try:
+        return mmap.mmap(fd, info.st_size)
+    except OSError:  # out of address space or mappings: read it instead
+        return None
