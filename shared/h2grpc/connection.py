@@ -109,11 +109,21 @@ class Connection(asyncio.Protocol):
         # kept: a large message costs a copy per step it takes, so DATA goes on as a
         # view (the stream copies what it keeps) and nothing else holds one past here.
         buffer = self._buffer
+        rest: bytes | memoryview = data
+        if buffer and self._preface and len(buffer) >= f.HEAD_BYTES:
+            # The frame held from the last read takes only what it lacks from this
+            # one (rather than the whole read joining it), then the rest is cut in place.
+            missing = f.HEAD_BYTES + int.from_bytes(buffer[:3], "big") - len(buffer)
+            if 0 < missing <= len(data) and len(buffer) + missing - f.HEAD_BYTES <= f.LARGEST_FRAME:
+                buffer += memoryview(data)[:missing]
+                if self._frames(buffer, 0) < 0:
+                    return
+                buffer.clear()
+                rest = memoryview(data)[missing:]
+        source: bytes | bytearray | memoryview = rest
         if buffer:
-            buffer += data
-            source: bytes | bytearray = buffer
-        else:
-            source = data
+            buffer += rest
+            source = buffer
         pos = 0
         if not self._preface:
             if len(source) < len(f.PREFACE):
@@ -123,6 +133,18 @@ class Connection(asyncio.Protocol):
                 self._fail(f.PROTOCOL_ERROR, b"not an HTTP/2 connection preface")
                 return
             pos, self._preface = len(f.PREFACE), True
+        pos = self._frames(source, pos)
+        if pos < 0:
+            return
+        self._keep(source, pos)
+        if self._received >= CONNECTION_WINDOW // 2:
+            self._queue(f.window_update(0, self._received))
+            self._received = 0
+        self._flush()
+
+    def _frames(self, source: bytes | bytearray | memoryview, pos: int) -> int:
+        """Act on each whole frame of ``source`` from ``pos``; where the first one not
+        whole begins, or -1 once the connection failed."""
         size = len(source)
         with memoryview(source) as view:
             try:
@@ -133,21 +155,17 @@ class Connection(asyncio.Protocol):
                     end = pos + f.HEAD_BYTES + length
                     if end > size:
                         break
-                    kind, flags = source[pos + 3], source[pos + 4]
+                    kind, flags = view[pos + 3], view[pos + 4]
                     stream = int.from_bytes(view[pos + 5 : pos + 9], "big") & f.LAST_STREAM_ID
                     start, pos = pos + f.HEAD_BYTES, end
                     with view[start:end] as payload:
                         self._frame(kind, flags, stream, payload)
             except _ProtocolError as exc:
                 self._fail(exc.code, exc.args[0].encode())
-                return
-        self._keep(source, pos)
-        if self._received >= CONNECTION_WINDOW // 2:
-            self._queue(f.window_update(0, self._received))
-            self._received = 0
-        self._flush()
+                return -1
+        return pos
 
-    def _keep(self, source: bytes | bytearray, pos: int) -> None:
+    def _keep(self, source: bytes | bytearray | memoryview, pos: int) -> None:
         """Hold what follows ``pos`` (a frame not yet whole) for the next read."""
         if source is self._buffer:
             del self._buffer[:pos]

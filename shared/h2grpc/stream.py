@@ -13,6 +13,9 @@ HELD_LIMIT = 1 << 22
 being replenished (backpressure on a client that streams faster than the handler reads)."""
 MESSAGE_HEAD = 5
 """A gRPC message's prefix: a compressed flag and a 4-byte length."""
+GATHER_BYTES = 1 << 16
+"""A message this large that goes on past its first frame is gathered piece by
+piece and joined once, rather than grown and then copied out."""
 
 
 def message_prefix(size: int) -> bytes:
@@ -36,6 +39,9 @@ class Stream:
     """One client-opened stream: its request headers, its messages, its send window."""
 
     __slots__ = (
+        "_flag",
+        "_missing",
+        "_parts",
         "_waiter",
         "body",
         "error",
@@ -59,6 +65,12 @@ class Stream:
         """The same, in order, repeated names and all (the call's metadata)."""
         self.body = bytearray()
         """DATA received and not yet cut into whole messages."""
+        self._parts: list[bytes | memoryview] | None = None
+        """The pieces of a large message being gathered (``GATHER_BYTES``)."""
+        self._missing = 0
+        """Bytes the gathered message still lacks."""
+        self._flag = 0
+        """The gathered message's compressed flag."""
         self.messages: collections.deque[bytes] = collections.deque()
         self.remote_ended = False
         """The client ended its side (END_STREAM)."""
@@ -96,7 +108,13 @@ class Stream:
 
     def take_data(self, data: bytes | memoryview, limit: int) -> None:
         """Cut whole messages from DATA; the first bad one sets ``error``. A message
-        is copied once out of the frame, or once more where it spans frames."""
+        is copied once out of the frame (a large one spanning frames, once out of
+        them all), or once more where it spans frames."""
+        if self._parts is not None:
+            data = self._gather(memoryview(data))
+            if not data:
+                self.wake()
+                return
         body = self.body
         if body:
             body += data
@@ -114,6 +132,9 @@ class Stream:
                     break
                 stop = pos + MESSAGE_HEAD + size
                 if stop > end:
+                    if source is not body and size >= GATHER_BYTES:
+                        self._parts = [_kept(view[pos + MESSAGE_HEAD : end])]
+                        self._missing, self._flag, pos = stop - end, view[pos], end
                     break
                 message = view[pos + MESSAGE_HEAD : stop].tobytes()
                 self.messages.append(Compressed(message) if view[pos] else message)
@@ -124,3 +145,23 @@ class Stream:
         if source is body:
             del body[:pos]
         self.wake()
+
+    def _gather(self, data: memoryview) -> memoryview:
+        """Add what the gathered message lacks from ``data``; once it is whole, queue
+        it. What follows it in ``data``."""
+        assert self._parts is not None
+        taken = min(self._missing, len(data))
+        self._parts.append(_kept(data[:taken]))
+        self._missing -= taken
+        if not self._missing:
+            message = b"".join(self._parts)
+            self._parts = None
+            self.messages.append(Compressed(message) if self._flag else message)
+            self.held += MESSAGE_HEAD + len(message)
+        return data[taken:]
+
+
+def _kept(piece: memoryview) -> bytes | memoryview:
+    """``piece`` as it may be kept: a view of a read (bytes never change), a copy of
+    anything else (the connection reuses its own buffer)."""
+    return piece if isinstance(piece.obj, bytes) else piece.tobytes()
