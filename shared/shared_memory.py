@@ -380,7 +380,8 @@ class SharedMemoryRegions:
             raise InvalidArgument(
                 f"{what}: cannot open handoff buffer '{key}': {exc.strerror}"
             ) from None
-        region = _Region(RegionStatus(key, key, 0, os.fstat(fd).st_size), fd, _mapped(fd))
+        info = os.fstat(fd)
+        region = _Region(RegionStatus(key, key, 0, info.st_size), fd, _mapped(fd, info))
         self._close_unlinked()
         self._handoffs[key] = region
         if len(self._handoffs) > OPEN_HANDOFFS:
@@ -424,11 +425,10 @@ class SharedMemoryRegions:
         return data
 
 
-def _mapped(fd: int) -> mmap.mmap | None:
-    """A handoff buffer's mapping, where only this user could have made it and can
-    change its size (a mapping past a shrunk object's end would fault: SIGBUS);
-    None, and pread/pwrite, for any other."""
-    info = os.fstat(fd)
+def _mapped(fd: int, info: os.stat_result) -> mmap.mmap | None:
+    """A handoff buffer's mapping (``info``: its fstat), where only this user could
+    have made it and can change its size (a mapping past a shrunk object's end
+    would fault: SIGBUS); None, and pread/pwrite, for any other."""
     if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
         return None
     if info.st_uid != os.geteuid() or info.st_mode & 0o077:

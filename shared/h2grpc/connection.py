@@ -113,8 +113,9 @@ class Connection(asyncio.Protocol):
         if buffer and self._preface and len(buffer) >= f.HEAD_BYTES:
             # The frame held from the last read takes only what it lacks from this
             # one (rather than the whole read joining it), then the rest is cut in place.
+            # Its length passed _frames' check when its head was whole.
             missing = f.HEAD_BYTES + int.from_bytes(buffer[:3], "big") - len(buffer)
-            if 0 < missing <= len(data) and len(buffer) + missing - f.HEAD_BYTES <= f.LARGEST_FRAME:
+            if 0 < missing <= len(data):
                 buffer += memoryview(data)[:missing]
                 if self._frames(buffer, 0) < 0:
                     return
