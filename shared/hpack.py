@@ -5,6 +5,8 @@ closed loop's gRPC client (loadtests/grpc_connection.py)."""
 
 from __future__ import annotations
 
+import functools
+
 # One string, as the RFC's table reads: 61 names in order.
 _STATIC_NAMES = (  # noqa: SIM905
     ":authority :method :method :path :path :scheme :scheme :status :status :status :status "
@@ -92,29 +94,50 @@ def _padding_nodes(children: list[list[int]]) -> frozenset[int]:
 
 
 _TREE = _code_tree()
-_NIBBLES = _nibble_table(_TREE)
 _PADDING = _padding_nodes(_TREE)
+_EOS = 256
+_AFTER_EOS = len(_TREE)
+"""The state a string is in once EOS appeared inside it: refused whatever follows."""
+
+
+@functools.cache
+def _byte_table() -> tuple[list[int], list[bytes]]:
+    """(node << 8 | byte) -> the node after those eight bits, and the symbols they end
+    (at most two, as no code is shorter than 5 bits). Made on the first Huffman-coded
+    string (~45 ms, ~1.5 MB), so a process that never reads one holds none of it."""
+    nibbles = _nibble_table(_TREE)
+    nodes: list[int] = []
+    ends: list[bytes] = []
+    shared: dict[bytes, bytes] = {}
+    for start in range(len(_TREE)):
+        for byte in range(256):
+            node, first = nibbles[start << 4 | byte >> 4]
+            node, second = nibbles[node << 4 | byte & 15]
+            if _EOS in (first, second):
+                nodes.append(_AFTER_EOS)
+                ends.append(b"")
+                continue
+            symbols = bytes(symbol for symbol in (first, second) if symbol >= 0)
+            nodes.append(node)
+            ends.append(shared.setdefault(symbols, symbols))
+    nodes += [_AFTER_EOS] * 256
+    ends += [b""] * 256
+    return nodes, ends
 
 
 def huffman_decode(data: bytes) -> bytes:
-    """A Huffman-coded string literal (RFC 7541 5.2), four bits a step."""
-    table, out, node = _NIBBLES, bytearray(), 0
+    """A Huffman-coded string literal (RFC 7541 5.2), a byte a step."""
+    nodes, ends = _byte_table()
+    out, node = bytearray(), 0
     for byte in data:
-        node, symbol = table[node << 4 | byte >> 4]
-        if symbol >= 0:
-            out.append(_symbol(symbol))
-        node, symbol = table[node << 4 | byte & 15]
-        if symbol >= 0:
-            out.append(_symbol(symbol))
+        index = node << 8 | byte
+        node = nodes[index]
+        out += ends[index]
+    if node == _AFTER_EOS:
+        raise ValueError("EOS inside a Huffman-coded string")
     if node not in _PADDING:
         raise ValueError("bad padding after a Huffman-coded string")
     return bytes(out)
-
-
-def _symbol(symbol: int) -> int:
-    if symbol == 256:
-        raise ValueError("EOS inside a Huffman-coded string")
-    return symbol
 
 
 def _integer(block: bytes, pos: int, prefix: int) -> tuple[int, int]:
@@ -131,13 +154,27 @@ def _integer(block: bytes, pos: int, prefix: int) -> tuple[int, int]:
     return value, pos
 
 
-def _string(block: bytes, pos: int) -> tuple[bytes, int]:
+def _string(
+    block: bytes, pos: int, repeated: dict[bytes, bytes] | None = None
+) -> tuple[bytes, int]:
+    """The string at ``pos``, and where it ends. ``repeated``: Huffman-coded strings
+    already decoded, to look up first and to keep this one in."""
     coded = block[pos] & 0x80
     size, pos = _integer(block, pos, 7)
     if pos + size > len(block):
         raise ValueError("a header string runs past its block")
     raw = block[pos : pos + size]
-    return (huffman_decode(raw) if coded else raw), pos + size
+    if not coded:
+        return raw, pos + size
+    if repeated is None or size > REPEATED_BYTES:
+        return huffman_decode(raw), pos + size
+    text = repeated.get(raw)
+    if text is None:
+        text = huffman_decode(raw)
+        if len(repeated) >= REPEATED_STRINGS:
+            repeated.clear()
+        repeated[raw] = text
+    return text, pos + size
 
 
 def _encoded_integer(value: int, prefix: int, flags: int) -> bytes:
@@ -171,6 +208,15 @@ def request_headers(method: str, authority: str) -> bytes:
     return block + _field(31, b"", b"application/grpc") + _field(0, b"te", b"trailers")
 
 
+REPEATED_STRINGS = 32
+"""Strings of fields sent without indexing that a decoder keeps decoded. An encoder
+that does not index a field spells it out in every block, the same bytes each time
+(Envoy's HTTP/2 codec indexes no pseudo-header but ``:authority``, so every request
+carries its ``:path`` so); an indexed field is read from the table instead."""
+REPEATED_BYTES = 256
+"""Longest such string kept (its coded length), so the strings kept stay small."""
+
+
 class HeaderDecoder:
     """HPACK: header blocks -> fields, with the dynamic table kept in step."""
 
@@ -178,6 +224,9 @@ class HeaderDecoder:
         self._table: list[tuple[bytes, bytes]] = []
         """Newest first: index 62 is ``_table[0]``."""
         self._size, self._max, self._limit = 0, max_size, max_size
+        self._repeated: dict[bytes, bytes] = {}
+        """Huffman-coded strings of fields sent without indexing, decoded (see
+        ``REPEATED_STRINGS``)."""
 
     def decode(self, block: bytes) -> dict[bytes, bytes]:
         """The fields of one whole header block (a repeated name: its last value)."""
@@ -202,17 +251,19 @@ class HeaderDecoder:
                 self._evict()
                 continue
             else:  # literal, not indexed (0000) or never indexed (0001)
-                name, value, pos = self._literal(block, pos, 4)
+                name, value, pos = self._literal(block, pos, 4, self._repeated)
             fields.append((name, value))
         return fields
 
-    def _literal(self, block: bytes, pos: int, prefix: int) -> tuple[bytes, bytes, int]:
+    def _literal(
+        self, block: bytes, pos: int, prefix: int, repeated: dict[bytes, bytes] | None = None
+    ) -> tuple[bytes, bytes, int]:
         index, pos = _integer(block, pos, prefix)
         if index:
             name = self._entry(index)[0]
         else:
-            name, pos = _string(block, pos)
-        value, pos = _string(block, pos)
+            name, pos = _string(block, pos, repeated)
+        value, pos = _string(block, pos, repeated)
         return name, value, pos
 
     def _entry(self, index: int) -> tuple[bytes, bytes]:

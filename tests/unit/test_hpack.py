@@ -93,6 +93,34 @@ def test_arbitrary_bytes_decode_as_the_bit_by_bit_reading_does() -> None:
             assert huffman_decode(data) == expected
 
 
+def _huffman_field(prefix: int, name_index: int, value: bytes) -> bytes:
+    """A literal field on a static name, its value Huffman-coded (name index < 15)."""
+    coded = huffman_encode(value)
+    assert name_index < 15 and len(coded) < 127
+    return bytes((prefix | name_index, 0x80 | len(coded))) + coded
+
+
+def test_fields_sent_whole_in_every_block_decode_each_time() -> None:
+    """As Envoy sends requests: ``:path`` without indexing in every block (the same
+    bytes, or one of many paths) beside a new value added to the table each time."""
+    decoder = HeaderDecoder()
+    rng = random.Random(5)
+    paths = [b"/inference.GRPCInferenceService/ModelInfer"]
+    paths += [f"/v2/models/m{n}/infer".encode() for n in range(80)]
+    for request in range(400):
+        path = paths[0] if request % 2 else rng.choice(paths)
+        request_id = f"{rng.getrandbits(128):032x}".encode()
+        block = b"\x83\x86" + _huffman_field(0x00, 4, path) + _huffman_field(0x10, 4, path)
+        block += _huffman_field(0x40, 1, request_id)  # :authority, added to the table
+        assert decoder.decode_pairs(block) == [
+            (b":method", b"POST"),
+            (b":scheme", b"http"),
+            (b":path", path),
+            (b":path", path),
+            (b":authority", request_id),
+        ]
+
+
 @pytest.mark.parametrize(
     ("text", "after", "reason"),
     [
