@@ -209,10 +209,11 @@ def request_headers(method: str, authority: str) -> bytes:
 
 
 REPEATED_STRINGS = 32
-"""Strings of fields sent without indexing that a decoder keeps decoded. An encoder
-that does not index a field spells it out in every block, the same bytes each time
-(Envoy's HTTP/2 codec indexes no pseudo-header but ``:authority``, so every request
-carries its ``:path`` so); an indexed field is read from the table instead."""
+"""Strings of fields sent without indexing (not "never indexed") that a decoder
+keeps decoded. An encoder that does not index a field spells it out in every
+block, the same bytes each time (Envoy's HTTP/2 codec indexes no pseudo-header but
+``:authority``, so every request carries its ``:path`` so); an indexed field is
+read from the table instead."""
 REPEATED_BYTES = 256
 """Longest such string kept (its coded length), so the strings kept stay small."""
 
@@ -251,7 +252,11 @@ class HeaderDecoder:
                 self._evict()
                 continue
             else:  # literal, not indexed (0000) or never indexed (0001)
-                name, value, pos = self._literal(block, pos, 4, self._repeated)
+                # A never-indexed field (a credential) is not kept: a decode that
+                # finds it kept would take less time, telling a guess on the
+                # connection from the value sent.
+                kept = None if first & 0x10 else self._repeated
+                name, value, pos = self._literal(block, pos, 4, kept)
             fields.append((name, value))
         return fields
 

@@ -93,11 +93,18 @@ def test_arbitrary_bytes_decode_as_the_bit_by_bit_reading_does() -> None:
             assert huffman_decode(data) == expected
 
 
-def _huffman_field(prefix: int, name_index: int, value: bytes) -> bytes:
-    """A literal field on a static name, its value Huffman-coded (name index < 15)."""
+def _huffman_field(flags: int, name_index: int, value: bytes) -> bytes:
+    """A literal field on a static name, its value Huffman-coded: ``flags`` 0x40 adds
+    it to the table (a 6-bit index), 0x00 not indexed, 0x10 never indexed (4 bits)."""
     coded = huffman_encode(value)
-    assert name_index < 15 and len(coded) < 127
-    return bytes((prefix | name_index, 0x80 | len(coded))) + coded
+    mask = 0x3F if flags == 0x40 else 0x0F
+    assert len(coded) < 127 and name_index - mask < 127
+    index = (
+        bytes((flags | name_index,))
+        if name_index < mask
+        else bytes((flags | mask, name_index - mask))
+    )
+    return index + bytes((0x80 | len(coded),)) + coded
 
 
 def test_fields_sent_whole_in_every_block_decode_each_time() -> None:
@@ -119,6 +126,20 @@ def test_fields_sent_whole_in_every_block_decode_each_time() -> None:
             (b":path", path),
             (b":authority", request_id),
         ]
+
+
+def test_a_never_indexed_field_leaves_no_trace_in_the_decoder() -> None:
+    """A credential sent "never indexed" (RFC 7541 7.1.3) is decoded each time and
+    kept nowhere: neither in the table nor among the strings kept decoded."""
+    decoder = HeaderDecoder()
+    for _ in range(3):
+        secret = f"Bearer {random.getrandbits(96):024x}".encode()
+        block = _huffman_field(0x00, 4, b"/v2/health/ready") + _huffman_field(0x10, 23, secret)
+        assert decoder.decode_pairs(block) == [
+            (b":path", b"/v2/health/ready"),
+            (b"authorization", secret),
+        ]
+        assert secret not in repr(vars(decoder)).encode()
 
 
 @pytest.mark.parametrize(
