@@ -168,12 +168,13 @@ def _string(
         return raw, pos + size
     if repeated is None or size > REPEATED_BYTES:
         return huffman_decode(raw), pos + size
-    text = repeated.get(raw)
+    key = bytes(raw)  # the same object for a block of bytes; a copy of any other
+    text = repeated.get(key)
     if text is None:
-        text = huffman_decode(raw)
+        text = huffman_decode(key)
         if len(repeated) >= REPEATED_STRINGS:
             repeated.clear()
-        repeated[raw] = text
+        repeated[key] = text
     return text, pos + size
 
 
