@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from google.protobuf import json_format
 
 from inference import model_config_pb2 as mc
+from shared import gc_heap
 from shared.backend import (
     Backend,
     CompletingBackend,
@@ -155,6 +156,13 @@ class ModelManager:
         kind of MeshError, its message starting "failed to load 'name'"; older
         versions that serve keep serving.
         """
+        # What a failed load or the versions replaced leave is collected once
+        # _load has let go of it, and what the new versions hold is frozen with
+        # the rest (shared/gc_heap.py).
+        with gc_heap.thawed():
+            await self._load(name, config_override)
+
+    async def _load(self, name: str, config_override: str | None) -> None:
         if not self.repository.has(name):
             raise NotFound(
                 f"failed to load '{name}', failed to poll from model repository "
@@ -235,6 +243,10 @@ class ModelManager:
 
     async def unload(self, name: str) -> None:
         """Stop serving every version of ``name`` (queued requests finish first)."""
+        with gc_heap.thawed():  # what the versions held is collected, cycles and all
+            await self._unload(name)
+
+    async def _unload(self, name: str) -> None:
         async with self._lock(name):
             versions = self._versions.pop(name, None)
             if versions is None:

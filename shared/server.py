@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from shared import logs
+from shared import gc_heap, logs
 from shared.allocator import keep_large_blocks
 from shared.channels import use_mesh_tls
 from shared.config import ServiceConfig
@@ -236,6 +236,7 @@ async def serve(
     with stop_signals() as stop:
         try:
             await server.start()
+            gc_heap.freeze()  # what it loaded stays: no full collection walks it again
             metrics = (
                 f", metrics http://{config.host}:{server.metrics_port}/metrics"
                 if (config.metrics_port >= 0)

@@ -40,6 +40,7 @@ from gateway.http.torchserve_store import ModelStore
 from services.orchestrator.core import Orchestrator
 from services.orchestrator.main import OrchestratorConfig, build_parts
 from services.orchestrator.servicer import OrchestratorServicer
+from shared import gc_heap
 from shared.config import load_config
 from shared.launch import READY_MARKER
 from shared.mtls import MeshTls
@@ -130,6 +131,7 @@ async def serve(config: OrchestratorHttpConfig) -> None:
         try:
             await server.start()
             address = await http.start(server.address)
+            gc_heap.freeze()  # what it loaded stays: no full collection walks it again
             log.info("%s listening on %s, HTTP on %s", config.service_name, server.address, address)
             _announce(server, address)
             await stop.wait()

@@ -221,6 +221,18 @@ def test_every_process_of_the_mesh_is_a_target_and_up(loaded: str) -> None:
     until(lambda: api(loaded, "query", query=chats)["result"], 20, "no HTTP metrics")
 
 
+def test_every_serving_process_froze_its_heap_once_ready(loaded: str) -> None:
+    """Each stage and the orchestrator keeps what it loaded out of the collector's
+    full passes (shared/gc_heap.py); the gauge says how many objects that is."""
+    serving = {"orchestrator", "inference", "tokenizer", "preprocess", "postprocess"}
+
+    def frozen() -> set[str]:
+        result = api(loaded, "query", query="meshserve_gc_frozen_objects > 1000")["result"]
+        return {s["metric"]["job"] for s in result}
+
+    until(lambda: serving <= frozen(), 20, f"not frozen: {serving - frozen()}")
+
+
 def test_envoy_shows_its_statistics_and_nothing_else_of_its_admin(
     loaded: str, small: dict[str, Any]
 ) -> None:

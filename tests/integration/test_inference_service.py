@@ -11,11 +11,14 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
 
+from inference import grpc_service_pb2 as pb
+from inference import grpc_service_pb2_grpc as pb_grpc
 from models.export import load_torchscript
 from models.prepare import prepare_repository
 from models.sources import sample_image
@@ -159,6 +162,34 @@ def test_metrics_count_requests_and_batches(service: ServiceProcess, tmp_path: P
     assert "# TYPE nv_inference_request_success counter" in body
     assert 'meshserve_batch_size_bucket{le="1.0",model="mlp",version="1"}' in body
     assert 'nv_inference_pending_request_count{model="mlp",version="1"}' in body
+
+
+def _scrape(service: ServiceProcess) -> dict[str, float]:
+    port = service.info["metrics_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        lines = reply.read().decode().splitlines()
+    return {
+        name: float(value)
+        for name, _, value in (line.rpartition(" ") for line in lines)
+        if name and not name.startswith("#")
+    }
+
+
+def test_the_heap_is_frozen_once_ready_and_again_after_a_model_reload(
+    service: ServiceProcess,
+) -> None:
+    """What the stage loaded is out of the collector's full passes (shared/gc_heap.py),
+    and a model's reload, which unfreezes the heap to collect what it drops, leaves
+    it frozen again."""
+    before = _scrape(service)
+    assert before["meshserve_gc_frozen_objects"] > 10_000  # torch and ORT are in
+    with grpc.insecure_channel(service.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="add_sub"), timeout=60)
+    after = _scrape(service)
+    assert after["meshserve_gc_frozen_objects"] > 10_000
+    full = 'python_gc_collections_total{generation="2"}'
+    assert after[full] > before[full]  # the reload's collection, before freezing again
 
 
 def test_model_metadata_and_config_through_tritonclient(service: ServiceProcess) -> None:
