@@ -12,7 +12,11 @@ A frozen object is never collected as part of a reference cycle. Startup
 objects become such garbage when a model is unloaded or replaced (vLLM's
 engine holds cycles), so the model manager runs loads and unloads ``thawed``:
 the heap is unfrozen for them, and collected and frozen again when the last
-one ends. A heap nobody froze (a test's process) stays as it was.
+one ends (one full collection's pause, on a model change only). Anything else
+of startup that falls into a cycle later (a connection replaced when a stage
+restarts) waits for the next load or unload; in the orchestrator, which loads
+no models, for good. That is at most what the process held when it became
+ready, once. A heap nobody froze (a test's process) stays as it was.
 """
 
 from __future__ import annotations
