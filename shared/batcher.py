@@ -27,7 +27,9 @@ rows fit ``max_batch_size``; the first request that does not fit closes the batc
   queue delay policy (Triton's) until ``max_queue_delay_us`` after the oldest queued
   request's arrival; with ``adaptive`` (the default) only while requests arrive
   together, never longer (``shared/batch_delay.py``). A ``gathered`` request (a
-  batch formed upstream: nothing more of its traffic is on the way) goes at once.
+  batch formed upstream: nothing more of its traffic is on the way) goes at once,
+  and where there is more than one instance it shares a batch with no other
+  gathered one (``_gather``).
 """
 
 from __future__ import annotations
@@ -526,11 +528,22 @@ class DynamicBatcher:
         return batch if wait_ns <= 0 else wait_ns / 1e9
 
     def _gather(self, head: _Entry, rest: Iterator[_Entry]) -> tuple[list[_Entry], int, bool]:
-        """The longest run from ``head`` that shares its shape and fits; closed if cut."""
+        """The longest run from ``head`` that shares its shape and fits; closed if cut.
+
+        Where there is more than one instance, a run holds one batch gathered
+        upstream at most: an ensemble runs a batch per instance of its widest
+        step and one more (services/orchestrator/ensemble_batches.py), and two
+        of them merged would run on one instance while another has none.
+        """
         batch, rows = [head], head.rows
+        gathered = head.request.gathered and len(self._instances) > 1
         for entry in rest:
             if entry.key != head.key or rows + entry.rows > self._policy.max_batch_size:
                 return batch, rows, True
+            if entry.request.gathered and len(self._instances) > 1:
+                if gathered:
+                    return batch, rows, True
+                gathered = True
             batch.append(entry)
             rows += entry.rows
         return batch, rows, False

@@ -258,6 +258,33 @@ def test_a_batch_gathered_upstream_goes_at_once_and_takes_the_waiting_along() ->
     assert instance.rows == [3, 3]
 
 
+@pytest.mark.parametrize("instances", [1, 2])
+def test_batches_gathered_upstream_run_apart_where_there_are_instances_for_them(
+    instances: int,
+) -> None:
+    """An ensemble's lanes (one per instance of its widest step, and one more) each
+    bring a batch: with two instances two lanes' batches merged would leave one
+    idle, so each runs as it came; with one instance they still merge."""
+    fakes = [FakeInstance(f"i{n}", delay=0.05) for n in range(instances)]
+    policy = BatchPolicy(max_batch_size=16, dynamic_batching=True, max_queue_delay_us=1000)
+    lanes = [make_request(f"g{i}", rows=3, gathered=True) for i in range(4)]
+    ordinary = make_request("o", rows=1)
+
+    async def scenario() -> None:
+        async with serving(DynamicBatcher(policy, fakes, name="m")) as batcher:
+            # All queued before a worker looks: the lanes, an ordinary request among them.
+            await asyncio.gather(*spawn(batcher, lanes[0], ordinary, *lanes[1:]))
+
+    run(scenario())
+    batches = sorted(batch for fake in fakes for batch in fake.batches)
+    if instances == 1:
+        assert batches == [["g0", "o", "g1", "g2", "g3"]]
+    else:
+        # The ordinary request still joins a lane's batch; no two lanes share one.
+        assert batches == [["g0", "o"], ["g1"], ["g2"], ["g3"]]
+        assert all(fake.batches for fake in fakes)  # both instances ran
+
+
 def test_incompatible_shapes_never_share_a_batch() -> None:
     instance = FakeInstance(delay=0.01)
     policy = BatchPolicy(max_batch_size=16, dynamic_batching=True, max_queue_delay_us=20_000)
