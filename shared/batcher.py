@@ -536,11 +536,12 @@ class DynamicBatcher:
         of them merged would run on one instance while another has none.
         """
         batch, rows = [head], head.rows
-        gathered = head.request.gathered and len(self._instances) > 1
+        apart = len(self._instances) > 1
+        gathered = apart and head.request.gathered
         for entry in rest:
             if entry.key != head.key or rows + entry.rows > self._policy.max_batch_size:
                 return batch, rows, True
-            if entry.request.gathered and len(self._instances) > 1:
+            if apart and entry.request.gathered:
                 if gathered:
                     return batch, rows, True
                 gathered = True

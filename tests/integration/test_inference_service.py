@@ -164,31 +164,21 @@ def test_metrics_count_requests_and_batches(service: ServiceProcess, tmp_path: P
     assert 'nv_inference_pending_request_count{model="mlp",version="1"}' in body
 
 
-def _scrape(service: ServiceProcess) -> dict[str, float]:
-    port = service.info["metrics_port"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        lines = reply.read().decode().splitlines()
-    return {
-        name: float(value)
-        for name, _, value in (line.rpartition(" ") for line in lines)
-        if name and not name.startswith("#")
-    }
-
-
 def test_the_heap_is_frozen_once_ready_and_again_after_a_model_reload(
     service: ServiceProcess,
 ) -> None:
     """What the stage loaded is out of the collector's full passes (shared/gc_heap.py),
     and a model's reload, which unfreezes the heap to collect what it drops, leaves
     it frozen again."""
-    before = _scrape(service)
-    assert before["meshserve_gc_frozen_objects"] > 10_000  # torch and ORT are in
+    frozen = ("meshserve_gc_frozen_objects", frozenset())
+    full = ("python_gc_collections_total", frozenset({("generation", "2")}))
+    before = service.metrics()
+    assert before[frozen] > 10_000  # torch and ORT are in
     with grpc.insecure_channel(service.address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="add_sub"), timeout=60)
-    after = _scrape(service)
-    assert after["meshserve_gc_frozen_objects"] > 10_000
-    full = 'python_gc_collections_total{generation="2"}'
+    after = service.metrics()
+    assert after[frozen] > 10_000
     assert after[full] > before[full]  # the reload's collection, before freezing again
 
 
