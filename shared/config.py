@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.fields import FieldInfo
 
 from shared.errors import ConfigError
+from shared.event_loop import EventLoop
 
 ENV_PREFIX = "MESHSERVE_"
 
@@ -49,6 +50,9 @@ class ServiceConfig(BaseModel):
     """What serves the gRPC port: grpcio's server (grpc.aio), or the project's own on
     asyncio (shared/h2grpc/), which costs a fraction of the CPU per call; cleartext
     only, so with mutual TLS grpcio's serves."""
+    event_loop: EventLoop = "uvloop"
+    """The process's event loop (shared/event_loop.py): uvloop, as vLLM's server runs,
+    or Python's own asyncio loop."""
     max_message_bytes: int = Field(MAX_MESSAGE_BYTES, ge=4 * 1024 * 1024, le=2**31 - 1)
     """Largest gRPC message sent or received."""
     grace_period_s: float = Field(10.0, ge=0.0, le=600.0)

@@ -6,7 +6,6 @@ their backends; each ``main`` builds a ``StageConfig`` and calls ``run_stage``.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 from pydantic import Field
 
+from shared import event_loop
 from shared.backend import Backend
 from shared.batch_delay import QueueDelayPolicy
 from shared.config import ServiceConfig, load_config
@@ -132,4 +132,4 @@ def run_stage(
 ) -> None:
     """Parse the config once, then serve ``backends`` until SIGTERM."""
     config = load_config(config_class, argv, service=service)
-    asyncio.run(run_service(config, build_stage_parts(config, backends)))
+    event_loop.run(run_service(config, build_stage_parts(config, backends)), config.event_loop)

@@ -31,7 +31,7 @@ import logging
 import ssl
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import httptools  # type: ignore[import-untyped]
@@ -138,8 +138,8 @@ class _Connection(asyncio.Protocol):
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, but the same API.
+        self._transport = cast(asyncio.Transport, transport)
         self._door.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:

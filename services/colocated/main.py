@@ -12,7 +12,6 @@ when they outgrow it (docs/configuration.md#stages-in-one-process).
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -24,6 +23,7 @@ from services.inference import main as inference
 from services.postprocess import main as postprocess
 from services.preprocess import main as preprocess
 from services.tokenizer import main as tokenizer
+from shared import event_loop
 from shared.backend import Backend
 from shared.config import load_config
 from shared.launch import run_service
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parts = build_stage_parts(config, registered)
     if "inference" in config.stages:
         inference.attach_metrics(registered, parts.registry)
-    asyncio.run(run_service(config, parts))
+    event_loop.run(run_service(config, parts), config.event_loop)
 
 
 # Also keeps vLLM's spawned engine processes, which import this module, from serving.

@@ -6,7 +6,6 @@ vllm_lora) and torchserve models.
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import sys
 from collections.abc import Mapping, Sequence
@@ -21,6 +20,7 @@ from services.inference.torchserve import TorchServeBackend
 from services.inference.vllm import VllmBackend
 from services.inference.vllm import preload as vllm_preload
 from services.inference.vllm_lora import LoraBackend
+from shared import event_loop
 from shared.backend import Backend
 from shared.config import load_config
 from shared.launch import run_service
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     registered = backends()
     parts = build_stage_parts(config, registered)
     attach_metrics(registered, parts.registry)
-    asyncio.run(run_service(config, parts))
+    event_loop.run(run_service(config, parts), config.event_loop)
 
 
 def attach_metrics(registered: Mapping[str, Backend], registry: CollectorRegistry) -> None:

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +24,7 @@ from services.orchestrator.route_table import RouteTable
 from services.orchestrator.router import INFER_METHOD, Discovery, StageAddress, StageRouter
 from services.orchestrator.routes import load_routes
 from services.orchestrator.servicer import OrchestratorServicer, add_orchestrator
+from shared import event_loop
 from shared.config import ServiceConfig, load_config
 from shared.launch import run_service
 from shared.repository import ModelRepository
@@ -129,7 +129,7 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse the config once and serve until SIGTERM."""
     config = load_config(OrchestratorConfig, argv, service="orchestrator")
-    asyncio.run(run_service(config, build_parts(config)))
+    event_loop.run(run_service(config, build_parts(config)), config.event_loop)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, TypeAlias
+from typing import Any, ClassVar, TypeAlias, cast
 
 from shared.h2grpc import frames as f
 from shared.h2grpc.stream import HELD_LIMIT, ConnectionGone, Stream
@@ -82,8 +82,8 @@ class Connection(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, but the same API.
+        self._transport = cast(asyncio.Transport, transport)
         # Nagle's algorithm would hold a small answer while an earlier write is
         # unacknowledged, and a peer delaying its ACK (40 ms on Linux) stalls it that
         # long. asyncio turns it off only on sockets whose protocol number it knows,

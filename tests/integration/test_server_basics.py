@@ -185,3 +185,24 @@ def test_a_connection_pinged_as_grpc_clients_ping_is_kept(bare_service: ServiceP
 
 def test_a_ping_flood_is_still_refused(bare_service: ServiceProcess) -> None:
     assert _pings_until_goaway(bare_service.address, pings=8, gap_s=0.01) == b"too_many_pings"
+
+
+def test_the_service_runs_on_uvloop_and_on_asyncio_s_loop_where_asked(
+    bare_service: ServiceProcess, tmp_path: Path
+) -> None:
+    assert "event loop: uvloop" in bare_service.logs()
+    own_loop = ServiceProcess(
+        "services.inference.main",
+        ["--model-repository", str(tmp_path)],
+        env={"MESHSERVE_EVENT_LOOP": "asyncio"},
+    )
+    try:
+        assert "event loop: asyncio" in own_loop.logs()
+        with grpc.insecure_channel(own_loop.address) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            assert stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.ModelInfer(pb.ModelInferRequest(model_name="ghost"), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        assert own_loop.stop() == 0
