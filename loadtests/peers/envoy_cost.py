@@ -122,6 +122,21 @@ def _without_connection_limit(boot: Bootstrap) -> None:
     boot.pop("overload_manager", None)
 
 
+def _without_envoy_headers(boot: Bootstrap) -> None:
+    """The router adds no x-envoy-* headers (upstream-service-time in answers,
+    expected-rq-timeout-ms upstream)."""
+    for entry in _manager(boot)["http_filters"]:
+        if entry["name"] == "envoy.filters.http.router":
+            entry["typed_config"]["suppress_envoy_headers"] = True
+
+
+def _without_dynamic_stats(boot: Bootstrap) -> None:
+    """The router keeps no per-status-code or timing statistics of the upstream."""
+    for entry in _manager(boot)["http_filters"]:
+        if entry["name"] == "envoy.filters.http.router":
+            entry["typed_config"]["dynamic_stats"] = False
+
+
 def _transcoder_off_for_grpc(boot: Bootstrap) -> None:
     """The transcoder disabled on the native gRPC route, as on the adapter's routes."""
     grpc = _manager(boot)["route_config"]["virtual_hosts"][0]["routes"][0]
@@ -155,6 +170,8 @@ VARIANTS = {
         Variant("mesh -buffer", _without_filter("envoy.filters.http.buffer")),
         Variant("mesh -request id", _without_request_id),
         Variant("mesh -health checks", _without_health_checks),
+        Variant("mesh -envoy headers", _without_envoy_headers),
+        Variant("mesh -dynamic stats", _without_dynamic_stats),
         Variant("mesh -path rules", _without_path_rules),
         Variant("mesh -local reply", _without_local_reply),
         Variant("mesh -connection limit", _without_connection_limit),
