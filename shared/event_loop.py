@@ -20,10 +20,9 @@ from typing import Any, Literal, TypeAlias, TypeVar
 
 import uvloop
 
-__all__ = ["EVENT_LOOPS", "EventLoop", "run", "running"]
+__all__ = ["EventLoop", "run", "running"]
 
 EventLoop: TypeAlias = Literal["uvloop", "asyncio"]
-EVENT_LOOPS: tuple[EventLoop, ...] = ("uvloop", "asyncio")
 
 T = TypeVar("T")
 

@@ -77,6 +77,9 @@ class Variant:
     minimal: bool = False
 
 
+ROUTER = "envoy.filters.http.router"
+
+
 def _manager(boot: Bootstrap) -> dict[str, Any]:
     """The edge listener's HTTP connection manager."""
     chain = boot["static_resources"]["listeners"][0]["filter_chains"][0]
@@ -122,19 +125,22 @@ def _without_connection_limit(boot: Bootstrap) -> None:
     boot.pop("overload_manager", None)
 
 
+def _router(boot: Bootstrap) -> dict[str, Any]:
+    """The router filter's typed config."""
+    entry = next(f for f in _manager(boot)["http_filters"] if f["name"] == ROUTER)
+    config: dict[str, Any] = entry["typed_config"]
+    return config
+
+
 def _without_envoy_headers(boot: Bootstrap) -> None:
     """The router adds no x-envoy-* headers (upstream-service-time in answers,
     expected-rq-timeout-ms upstream)."""
-    for entry in _manager(boot)["http_filters"]:
-        if entry["name"] == "envoy.filters.http.router":
-            entry["typed_config"]["suppress_envoy_headers"] = True
+    _router(boot)["suppress_envoy_headers"] = True
 
 
 def _without_dynamic_stats(boot: Bootstrap) -> None:
     """The router keeps no per-status-code or timing statistics of the upstream."""
-    for entry in _manager(boot)["http_filters"]:
-        if entry["name"] == "envoy.filters.http.router":
-            entry["typed_config"]["dynamic_stats"] = False
+    _router(boot)["dynamic_stats"] = False
 
 
 def _transcoder_off_for_grpc(boot: Bootstrap) -> None:
@@ -196,7 +202,7 @@ def minimal_config(port: int, orchestrator: str, adapter: str, admin: Path) -> B
         "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]},
         "http_filters": [
             {
-                "name": "envoy.filters.http.router",
+                "name": ROUTER,
                 "typed_config": {"@type": f"{types}.filters.http.router.v3.Router"},
             }
         ],
