@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
+from shared.cpu_policy import CpuPolicy
 from shared.errors import ConfigError
 from shared.event_loop import EventLoop
 
@@ -53,6 +54,11 @@ class ServiceConfig(BaseModel):
     event_loop: EventLoop = "uvloop"
     """The process's event loop (shared/event_loop.py): uvloop, as vLLM's server runs,
     or Python's own asyncio loop."""
+    cpu_policy: CpuPolicy = "batch"
+    """The scheduling policy of the process's threads (shared/cpu_policy.py): batch
+    (Linux SCHED_BATCH: a woken thread does not preempt a running one, so the hops
+    of a request on shared cores run in longer stretches) or normal (the kernel's
+    default)."""
     max_message_bytes: int = Field(MAX_MESSAGE_BYTES, ge=4 * 1024 * 1024, le=2**31 - 1)
     """Largest gRPC message sent or received."""
     grace_period_s: float = Field(10.0, ge=0.0, le=600.0)

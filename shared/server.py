@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from shared import event_loop, gc_heap, logs
+from shared import cpu_policy, event_loop, gc_heap, logs
 from shared.allocator import keep_large_blocks
 from shared.channels import use_mesh_tls
 from shared.config import ServiceConfig
@@ -114,7 +114,7 @@ class MeshServer:
     async def start(self) -> None:
         """Bind, run the start hooks, then report SERVING."""
         keep_large_blocks()  # tensors of hundreds of KB, allocated and freed per request
-        log.info("event loop: %s", event_loop.running())
+        log.info("event loop: %s, cpu policy: %s", event_loop.running(), cpu_policy.current())
         server = self._grpc_server()
         for add, servicer in self.parts.servicers:
             add(servicer, server)

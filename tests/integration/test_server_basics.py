@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import time
@@ -15,6 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from deploy.local.procfs import tasks
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.tensors import decode_outputs, encode_inputs
@@ -187,17 +189,21 @@ def test_a_ping_flood_is_still_refused(bare_service: ServiceProcess) -> None:
     assert _pings_until_goaway(bare_service.address, pings=8, gap_s=0.01) == b"too_many_pings"
 
 
-def test_the_service_runs_on_uvloop_and_on_asyncio_s_loop_where_asked(
+def test_the_service_runs_on_uvloop_under_sched_batch_and_as_asked_otherwise(
     bare_service: ServiceProcess, tmp_path: Path
 ) -> None:
-    assert "event loop: uvloop" in bare_service.logs()
+    assert "event loop: uvloop, cpu policy: batch" in bare_service.logs()
+    threads = [int(task.name) for task in tasks(bare_service.proc.pid)]
+    assert {os.sched_getscheduler(thread) for thread in threads} == {os.SCHED_BATCH}
     own_loop = ServiceProcess(
         "services.inference.main",
         ["--model-repository", str(tmp_path)],
-        env={"MESHSERVE_EVENT_LOOP": "asyncio"},
+        env={"MESHSERVE_EVENT_LOOP": "asyncio", "MESHSERVE_CPU_POLICY": "normal"},
     )
     try:
-        assert "event loop: asyncio" in own_loop.logs()
+        assert "event loop: asyncio, cpu policy: normal" in own_loop.logs()
+        threads = [int(task.name) for task in tasks(own_loop.proc.pid)]
+        assert {os.sched_getscheduler(thread) for thread in threads} == {os.SCHED_OTHER}
         with grpc.insecure_channel(own_loop.address) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             assert stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live
