@@ -58,7 +58,7 @@ class ServiceConfig(BaseModel):
     """The scheduling policy of the process's threads (shared/cpu_policy.py): batch
     (Linux SCHED_BATCH: a woken thread does not preempt a running one, so the hops
     of a request on shared cores run in longer stretches) or normal (the kernel's
-    default)."""
+    default, which stages keep)."""
     max_message_bytes: int = Field(MAX_MESSAGE_BYTES, ge=4 * 1024 * 1024, le=2**31 - 1)
     """Largest gRPC message sent or received."""
     grace_period_s: float = Field(10.0, ge=0.0, le=600.0)

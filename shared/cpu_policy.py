@@ -5,15 +5,19 @@ orchestrator, a stage, and back. Under the kernel's default policy
 (SCHED_OTHER) a thread that wakes may preempt the one running on its core, so
 where the processes share cores a write often hands the core to its reader
 before the writer has finished its pass, and the hops run in short stretches
-with cores left idle between them. ``batch`` (the default) puts every thread
-of the process under SCHED_BATCH: a thread that wakes waits for the running
-one to sleep or to use up its slice, and the kernel's fair share between
-processes is otherwise the same. At one request in flight nothing changes (a
-woken thread finds an idle core). docs/performance.md has the measurements.
+with cores left idle between them. ``batch`` (the default of the services in
+front of the models: Envoy, the orchestrator, the HTTP adapter) puts every
+thread of the process under SCHED_BATCH: a thread that wakes waits for the
+running one to sleep or to use up its slice, and the kernel's fair share
+between processes is otherwise the same. At one request in flight nothing
+changes (a woken thread finds an idle core). A stage keeps ``normal``, the
+kernel's default: work that reaches the model's service should take a core at
+once (under ``batch`` a stage batching its requests served a few percent
+fewer). docs/performance.md has the measurements.
 
 Threads started later take the policy of the thread that starts them, and
 child processes take it too (Envoy under its launcher, vLLM's engine under
-the inference stage). ``normal`` sets the kernel's default back, for a process
+the inference stage). ``normal`` sets the kernel's default, also for a process
 started under another policy. Where the kernel has no such policy (not
 Linux), or refuses it (a sandbox), the process runs as it was started.
 """

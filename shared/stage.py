@@ -19,6 +19,7 @@ from shared import cpu_policy, event_loop
 from shared.backend import Backend
 from shared.batch_delay import QueueDelayPolicy
 from shared.config import ServiceConfig, load_config
+from shared.cpu_policy import CpuPolicy
 from shared.launch import run_service
 from shared.manager import ModelManager
 from shared.queue_bounds import (
@@ -38,6 +39,10 @@ from shared.tracing import make_tracer_provider, tracer_for
 class StageConfig(ServiceConfig):
     """Settings of a stage service (any service that hosts models)."""
 
+    cpu_policy: CpuPolicy = "normal"
+    """The scheduling policy of the stage's threads (shared/cpu_policy.py): normal, the
+    kernel's default, so that work arriving at the model's service takes a core at
+    once; batch (SCHED_BATCH), as the services in front of it run."""
     model_repository: Path = Path("model_repository")
     """Triton-layout model repository folder."""
     load_models: list[str] = Field(default_factory=list)

@@ -189,21 +189,21 @@ def test_a_ping_flood_is_still_refused(bare_service: ServiceProcess) -> None:
     assert _pings_until_goaway(bare_service.address, pings=8, gap_s=0.01) == b"too_many_pings"
 
 
-def test_the_service_runs_on_uvloop_under_sched_batch_and_as_asked_otherwise(
+def test_the_stage_runs_on_uvloop_under_the_kernel_s_policy_and_as_asked_otherwise(
     bare_service: ServiceProcess, tmp_path: Path
 ) -> None:
-    assert "event loop: uvloop, cpu policy: batch" in bare_service.logs()
+    assert "event loop: uvloop, cpu policy: normal" in bare_service.logs()
     threads = [int(task.name) for task in tasks(bare_service.proc.pid)]
-    assert {os.sched_getscheduler(thread) for thread in threads} == {os.SCHED_BATCH}
+    assert {os.sched_getscheduler(thread) for thread in threads} == {os.SCHED_OTHER}
     own_loop = ServiceProcess(
         "services.inference.main",
         ["--model-repository", str(tmp_path)],
-        env={"MESHSERVE_EVENT_LOOP": "asyncio", "MESHSERVE_CPU_POLICY": "normal"},
+        env={"MESHSERVE_EVENT_LOOP": "asyncio", "MESHSERVE_CPU_POLICY": "batch"},
     )
     try:
-        assert "event loop: asyncio, cpu policy: normal" in own_loop.logs()
+        assert "event loop: asyncio, cpu policy: batch" in own_loop.logs()
         threads = [int(task.name) for task in tasks(own_loop.proc.pid)]
-        assert {os.sched_getscheduler(thread) for thread in threads} == {os.SCHED_OTHER}
+        assert {os.sched_getscheduler(thread) for thread in threads} == {os.SCHED_BATCH}
         with grpc.insecure_channel(own_loop.address) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             assert stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live

@@ -14,6 +14,7 @@ import pytest
 from shared import cpu_policy
 from shared.config import ServiceConfig, load_config
 from shared.errors import ConfigError
+from shared.stage import StageConfig
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling only")
 
@@ -70,8 +71,9 @@ def test_normal_sets_the_kernel_s_default_back(restored: None) -> None:
     assert _policy_in_thread() == "normal"
 
 
-def test_services_default_to_batch_and_take_the_setting_from_flags_and_env() -> None:
+def test_front_doors_default_to_batch_stages_to_normal_and_flags_and_env_say_otherwise() -> None:
     assert ServiceConfig().cpu_policy == "batch"
+    assert StageConfig().cpu_policy == "normal"
     flag = load_config(ServiceConfig, ["--cpu-policy", "normal"], {}, service="stage")
     assert flag.cpu_policy == "normal"
     env = load_config(ServiceConfig, [], {"MESHSERVE_CPU_POLICY": "normal"}, service="stage")
