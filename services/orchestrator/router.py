@@ -46,7 +46,7 @@ from shared.channels import open_channels, open_stream_channels
 from shared.config import MAX_MESSAGE_BYTES
 from shared.errors import Cancelled, InvalidArgument, MeshError, NotFound, Unavailable
 from shared.h2grpc.client import LeanChannel
-from shared.rpc import remote
+from shared.rpc import failure, remote
 from shared.shared_memory import HANDOFF_EXTENSION
 from shared.tracing import client_span, current_carrier
 
@@ -508,10 +508,16 @@ class StageRouter:
         requests where the replica has them (forward_stream.py: packed several to
         a message where it can), its trace context with it, else as a ModelInfer."""
 
+        # Outside any trace (the common case: tracing off) there is no client span to
+        # open and no context to carry: skip both, a few microseconds a request.
+        traced = trace.get_current_span().get_span_context().is_valid
+
         async def invoke(endpoint: Endpoint) -> bytes:
             while on_stream is not None and endpoint.forwards_on_streams:
                 stream = endpoint.forward_stream()
                 try:
+                    if not traced:
+                        return await stream.infer(request, on_stream)
                     with client_span(self._tracer, INFER_METHOD):
                         return await stream.infer(request, on_stream, current_carrier())
                 except NotForwarding:
@@ -542,8 +548,10 @@ class StageRouter:
             assert task is not None
             endpoint.calls.add(task)
             try:
-                with remote():
+                try:  # what ``remote()`` does, without a context manager's cost per call
                     return await invoke(endpoint)
+                except grpc.aio.AioRpcError as exc:
+                    raise failure(exc) from exc
             except (Unavailable, Cancelled) as exc:
                 last = exc
                 log.warning("%s failed a call for '%s': %s", endpoint.describe(), model, exc)
