@@ -417,6 +417,11 @@ def _listener(settings: EdgeSettings) -> dict[str, Any]:
     return {
         "name": "edge",
         "address": _address(f"{settings.listen_host}:{settings.listen_port}"),
+        # Each new connection goes to the worker with the fewest: a client's few
+        # long-lived HTTP/2 connections otherwise land where the kernel's hash puts
+        # them (3 and 1 of 4, say), and one worker carries most of the load while
+        # the other waits (docs/performance.md).
+        "connection_balance_config": {"exact_balance": {}},
         "filter_chains": [chain],
         "per_connection_buffer_limit_bytes": settings.limits.connection_buffer_bytes,
     }
