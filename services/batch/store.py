@@ -130,7 +130,8 @@ class JobStore:
             "status": "processed",
         }
         await _aw(self.redis.hset(PREFIX + f"file:{file_id}", mapping=_flat(info)))
-        await self.redis.zadd(PREFIX + "files", {file_id: created})
+        # Ordered by the time to the microsecond: two made in one second keep their order.
+        await self.redis.zadd(PREFIX + "files", {file_id: time.time()})
         return info
 
     async def file(self, file_id: str) -> dict[str, Any]:
@@ -195,7 +196,7 @@ class JobStore:
         }
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(PREFIX + f"batch:{batch_id}", mapping=_flat(info))
-            pipe.zadd(PREFIX + "batches", {batch_id: created})
+            pipe.zadd(PREFIX + "batches", {batch_id: time.time()})  # as files
             pipe.sadd(PREFIX + "active", batch_id)
             for index, line in enumerate(lines):
                 pipe.xadd(STREAM, {"batch": batch_id, "index": index, "line": _line_text(line)})

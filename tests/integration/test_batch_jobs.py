@@ -219,6 +219,7 @@ def test_meshserve_v1_jobs_transcoded_by_envoy(mesh: Mesh) -> None:
     edge = f"http://{mesh.info['processes']['envoy']['grpc']}"
     lines = "".join(json.dumps(line) + "\n" for line in slow_lines(3, 1))
     body = {"endpoint": "/v2/models/slow/infer", "input_jsonl": lines, "metadata": {"k": "v"}}
+    earlier = http_json(f"{edge}/api/v1/jobs", body)["job"]  # made in the same second
     job = http_json(f"{edge}/api/v1/jobs", body)["job"]
     assert job["status"] == "in_progress" and job["counts"]["total"] == 3
     deadline = time.monotonic() + 30
@@ -227,8 +228,10 @@ def test_meshserve_v1_jobs_transcoded_by_envoy(mesh: Mesh) -> None:
         job = http_json(f"{edge}/api/v1/jobs/{job['id']}")["job"]
     assert job["counts"] == {"total": 3, "completed": 3, "failed": 0}
     assert job.get("output_file_id") and job["metadata"] == {"k": "v"}, job
-    listed = http_json(f"{edge}/api/v1/jobs?limit=1")
+    listed = http_json(f"{edge}/api/v1/jobs?limit=1")  # newest first
     assert listed["jobs"][0]["id"] == job["id"] and listed["has_more"] is True
+    after = http_json(f"{edge}/api/v1/jobs?limit=1&after={job['id']}")
+    assert after["jobs"][0]["id"] == earlier["id"]
     with pytest.raises(urllib.error.HTTPError) as missing:
         http_json(f"{edge}/api/v1/jobs/batch-nope")
     assert missing.value.code == 404
