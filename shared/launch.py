@@ -1,4 +1,5 @@
-"""Process entry glue shared by every service's ``main``: logging and readiness.
+"""Process entry glue shared by every service's ``main``: how the process runs,
+logging and readiness.
 
 Once a service is ready it prints one line ``MESHSERVE_READY {json}`` with its
 bound ports on stdout; supervisors and tests read it to learn ports chosen
@@ -9,11 +10,23 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
+from shared import cpu_policy, event_loop
 from shared.config import ServiceConfig
 from shared.server import MeshServer, ServiceParts, serve, setup_logging
 
 READY_MARKER = "MESHSERVE_READY"
+
+T = TypeVar("T")
+
+
+def run(main: Coroutine[Any, Any, T], config: ServiceConfig) -> T:
+    """Run ``main`` to its end, the process's threads under the service's CPU policy
+    (shared/cpu_policy.py), on its event loop (shared/event_loop.py)."""
+    cpu_policy.apply(config.cpu_policy)
+    return event_loop.run(main, config.event_loop)
 
 
 def announce(server: MeshServer) -> None:

@@ -15,7 +15,7 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 from pydantic import Field
 
-from shared import cpu_policy, event_loop
+from shared import launch
 from shared.backend import Backend
 from shared.batch_delay import QueueDelayPolicy
 from shared.config import ServiceConfig, load_config
@@ -137,5 +137,4 @@ def run_stage(
 ) -> None:
     """Parse the config once, then serve ``backends`` until SIGTERM."""
     config = load_config(config_class, argv, service=service)
-    cpu_policy.apply(config.cpu_policy)
-    event_loop.run(run_service(config, build_stage_parts(config, backends)), config.event_loop)
+    launch.run(run_service(config, build_stage_parts(config, backends)), config)

@@ -35,7 +35,7 @@ from gateway.envoy.access import JwtAuth, RateLimit, Roles
 from gateway.envoy.config import EdgeSettings, Limits, build_config
 from gateway.envoy.descriptors import write_mesh_descriptor_set
 from gateway.envoy.upstream_tls import UpstreamTls
-from shared import cpu_policy, event_loop
+from shared import launch
 from shared.config import ServiceConfig, load_config
 from shared.launch import READY_MARKER
 from shared.server import setup_logging
@@ -325,8 +325,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Parse the config once and run Envoy until SIGTERM."""
     config = load_config(EdgeConfig, argv, service="envoy")
     setup_logging(config.log_level, config.log_format, config.service_name)
-    cpu_policy.apply(config.cpu_policy)
-    raise SystemExit(event_loop.run(run(config), config.event_loop))
+    raise SystemExit(launch.run(run(config), config))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from gateway.http.torchserve_store import ModelStore
 from services.orchestrator.core import Orchestrator
 from services.orchestrator.main import OrchestratorConfig, build_parts
 from services.orchestrator.servicer import OrchestratorServicer
-from shared import cpu_policy, event_loop, gc_heap
+from shared import gc_heap, launch
 from shared.config import load_config
 from shared.launch import READY_MARKER
 from shared.mtls import MeshTls
@@ -148,8 +148,7 @@ async def serve(config: OrchestratorHttpConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse the config once and serve until SIGTERM."""
     config = load_config(OrchestratorHttpConfig, argv, service="orchestrator")
-    cpu_policy.apply(config.cpu_policy)
-    event_loop.run(serve(config), config.event_loop)
+    launch.run(serve(config), config)
 
 
 if __name__ == "__main__":

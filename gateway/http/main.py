@@ -26,7 +26,7 @@ from gateway.http.app import AdapterState
 from gateway.http.front_door import CUT_REASON, FrontDoor, HttpSettings, drain
 from gateway.http.torchserve_store import ModelStore
 from gateway.http.upstream import Upstream
-from shared import cpu_policy, event_loop
+from shared import launch
 from shared.channels import use_mesh_tls
 from shared.config import load_config
 from shared.launch import READY_MARKER
@@ -111,8 +111,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = load_config(HttpAdapterConfig, argv, service=SERVICE)
     setup_logging(config.log_level, config.log_format, config.service_name)
     try:
-        cpu_policy.apply(config.cpu_policy)
-        event_loop.run(serve(config), config.event_loop)
+        launch.run(serve(config), config)
     except OSError as exc:
         print(f"{SERVICE}: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from exc

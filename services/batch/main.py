@@ -28,7 +28,7 @@ from pydantic import Field
 from services.batch.runner import LineRunner
 from services.batch.store import JobStore
 from services.batch.worker import Worker, WorkerMetrics
-from shared import cpu_policy, event_loop
+from shared import launch
 from shared.channels import open_channels, use_mesh_tls
 from shared.config import ServiceConfig, load_config
 from shared.launch import READY_MARKER
@@ -120,8 +120,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Parse the config once and work until SIGTERM."""
     config = load_config(BatchConfig, argv, service=SERVICE)
     setup_logging(config.log_level, config.log_format, SERVICE)
-    cpu_policy.apply(config.cpu_policy)
-    event_loop.run(serve(config), config.event_loop)
+    launch.run(serve(config), config)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from services.inference import main as inference
 from services.postprocess import main as postprocess
 from services.preprocess import main as preprocess
 from services.tokenizer import main as tokenizer
-from shared import cpu_policy, event_loop
+from shared import launch
 from shared.backend import Backend
 from shared.config import load_config
 from shared.launch import run_service
@@ -74,8 +74,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parts = build_stage_parts(config, registered)
     if "inference" in config.stages:
         inference.attach_metrics(registered, parts.registry)
-    cpu_policy.apply(config.cpu_policy)
-    event_loop.run(run_service(config, parts), config.event_loop)
+    launch.run(run_service(config, parts), config)
 
 
 # Also keeps vLLM's spawned engine processes, which import this module, from serving.

@@ -20,7 +20,7 @@ from services.inference.torchserve import TorchServeBackend
 from services.inference.vllm import VllmBackend
 from services.inference.vllm import preload as vllm_preload
 from services.inference.vllm_lora import LoraBackend
-from shared import cpu_policy, event_loop
+from shared import launch
 from shared.backend import Backend
 from shared.config import load_config
 from shared.launch import run_service
@@ -79,8 +79,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     registered = backends()
     parts = build_stage_parts(config, registered)
     attach_metrics(registered, parts.registry)
-    cpu_policy.apply(config.cpu_policy)
-    event_loop.run(run_service(config, parts), config.event_loop)
+    launch.run(run_service(config, parts), config)
 
 
 def attach_metrics(registered: Mapping[str, Backend], registry: CollectorRegistry) -> None:

@@ -24,7 +24,7 @@ from services.orchestrator.route_table import RouteTable
 from services.orchestrator.router import INFER_METHOD, Discovery, StageAddress, StageRouter
 from services.orchestrator.routes import load_routes
 from services.orchestrator.servicer import OrchestratorServicer, add_orchestrator
-from shared import cpu_policy, event_loop
+from shared import launch
 from shared.config import ServiceConfig, load_config
 from shared.launch import run_service
 from shared.repository import ModelRepository
@@ -129,8 +129,7 @@ def build_parts(config: OrchestratorConfig) -> ServiceParts:
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse the config once and serve until SIGTERM."""
     config = load_config(OrchestratorConfig, argv, service="orchestrator")
-    cpu_policy.apply(config.cpu_policy)
-    event_loop.run(run_service(config, build_parts(config)), config.event_loop)
+    launch.run(run_service(config, build_parts(config)), config)
 
 
 if __name__ == "__main__":

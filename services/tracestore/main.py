@@ -26,7 +26,7 @@ from services.tracestore.config import SERVICE, TraceStoreConfig
 from services.tracestore.query import json_errors, query_routes
 from services.tracestore.receiver import Intake, OtlpTraceService, otlp_http_routes
 from services.tracestore.store import Limits, TraceStore
-from shared import cpu_policy, event_loop
+from shared import launch
 from shared.config import load_config
 from shared.launch import READY_MARKER
 from shared.server import setup_logging
@@ -110,8 +110,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     setup_logging(config.log_level, config.log_format, config.service_name)
     try:
         with tempfile.TemporaryDirectory(prefix="meshserve-traces-") as folder:
-            cpu_policy.apply(config.cpu_policy)
-            event_loop.run(serve(config, Path(folder)), config.event_loop)
+            launch.run(serve(config, Path(folder)), config)
     except OSError as exc:
         print(f"{SERVICE}: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from exc
