@@ -485,6 +485,9 @@ class LoadSettings:
     """Longest wait for a quiet machine before the window."""
     rounds: int = 1
     """Repeats of every measurement (interleaved); the fastest is kept."""
+    client_work_us: float = 0.0
+    """CPU each worker spends after an answer before its next request (its thread, or the
+    event loop, kept busy), as a heavier client does; 0: none."""
 
 
 def add_load_flags(
@@ -564,8 +567,18 @@ class LoadResult:
         return max(1, self.completed)
 
 
-async def _worker(call: Call, window: _Window) -> int:
-    """Send back to back; record latencies (and errors) that end inside the window.
+def _client_work(seconds: float) -> None:
+    """Keep this thread busy (the GIL held) for ``seconds``: a client's own work."""
+    if seconds <= 0:
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+async def _worker(call: Call, window: _Window, work_s: float) -> int:
+    """Send back to back (``work_s`` of client work between); record latencies (and
+    errors) that end inside the window.
 
     Returns the requests completed, warm-up and drain included."""
     completed = 0
@@ -578,10 +591,11 @@ async def _worker(call: Call, window: _Window) -> int:
             await asyncio.sleep(0.05)  # no hot loop against a failing server
             continue
         completed += window.record(time.perf_counter_ns() - started)
+        _client_work(work_s)
     return completed
 
 
-def _thread_worker(call: BlockingCall, window: _Window) -> int:
+def _thread_worker(call: BlockingCall, work_s: float, window: _Window) -> int:
     """``_worker`` on a thread of its own, with a blocking call."""
     completed = 0
     while not window.closed:
@@ -593,20 +607,27 @@ def _thread_worker(call: BlockingCall, window: _Window) -> int:
             time.sleep(0.05)
             continue
         completed += window.record(time.perf_counter_ns() - started)
+        _client_work(work_s)
     return completed
 
 
-def _stream_worker(streams: Streams, k: int, window: _Window) -> int:
+def _stream_worker(streams: Streams, k: int, work_s: float, window: _Window) -> int:
     """``_thread_worker`` for ``k`` workers whose requests share one connection (a
     failed stream waits a moment itself: no hot loop)."""
-    return sum(window.record(outcome) for outcome in streams(k, lambda: window.closed))
+    completed = 0
+    for outcome in streams(k, lambda: window.closed):
+        completed += window.record(outcome)
+        _client_work(work_s)  # the next request waits for it, as in _thread_worker
+    return completed
 
 
 ThreadJob = Callable[[_Window], int]
 """What one worker thread runs: it sends until the window closes, returns its count."""
 
 
-def _thread_jobs(calls: Sequence[Call], in_flight: int) -> list[ThreadJob] | None:
+def _thread_jobs(
+    calls: Sequence[Call], in_flight: int, work_s: float = 0.0
+) -> list[ThreadJob] | None:
     """One job per worker thread where threads carry this load, else None.
 
     Threads, with the lean clients of ``blocking_clients``, wherever they open no
@@ -626,12 +647,14 @@ def _thread_jobs(calls: Sequence[Call], in_flight: int) -> list[ThreadJob] | Non
         return None
     shares = [len(range(i, in_flight, len(dual))) for i in range(len(dual))]  # round robin
     if all(share <= call.connections for share, call in zip(shares, dual, strict=True)):
-        return [partial(_thread_worker, dual[i % len(dual)].blocking) for i in range(in_flight)]
+        return [
+            partial(_thread_worker, dual[i % len(dual)].blocking, work_s) for i in range(in_flight)
+        ]
     streams = [call.streams for call in dual if call.streams is not None]
     if len(streams) < len(dual):
         return None
     return [
-        partial(_stream_worker, way, share)
+        partial(_stream_worker, way, share, work_s)
         for way, share in zip(streams, shares, strict=True)
         if share
     ]
@@ -639,11 +662,11 @@ def _thread_jobs(calls: Sequence[Call], in_flight: int) -> list[ThreadJob] | Non
 
 @contextlib.asynccontextmanager
 async def _running(
-    calls: Sequence[Call], in_flight: int, window: _Window
+    calls: Sequence[Call], in_flight: int, window: _Window, work_s: float = 0.0
 ) -> AsyncIterator[list[asyncio.Future[int]]]:
-    """``in_flight`` workers over ``calls`` (round robin), on threads or as tasks; on exit
-    they are stopped and waited for."""
-    jobs = _thread_jobs(calls, in_flight)
+    """``in_flight`` workers over ``calls`` (round robin), on threads or as tasks, each
+    spending ``work_s`` after every answer; on exit they are stopped and waited for."""
+    jobs = _thread_jobs(calls, in_flight, work_s)
     threads = ThreadPoolExecutor(len(jobs), "closed-loop") if jobs else None
     workers: list[asyncio.Future[int]]
     if threads is not None and jobs is not None:
@@ -651,7 +674,8 @@ async def _running(
         workers = [loop.run_in_executor(threads, job, window) for job in jobs]
     else:
         workers = [
-            asyncio.create_task(_worker(calls[i % len(calls)], window)) for i in range(in_flight)
+            asyncio.create_task(_worker(calls[i % len(calls)], window, work_s))
+            for i in range(in_flight)
         ]
     try:
         yield workers
@@ -681,7 +705,7 @@ async def closed_loop(
     ``probe`` runs just outside both window edges, so its own cost stays out.
     """
     window = _Window()
-    async with _running(calls, in_flight, window) as workers:
+    async with _running(calls, in_flight, window, settings.client_work_us / 1e6) as workers:
         await asyncio.sleep(settings.warmup_s)
         await settle(pids, settings.settle_s)
         first = await probe() if probe else None

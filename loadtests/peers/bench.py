@@ -30,11 +30,11 @@ perf_analyzer) on the last core and every server process on the others, as
 if the load came from another host: on a small host the generator's own CPU
 then no longer comes out of the server's, and the two generators measure the
 same server.
-``--client-work-us N`` has each closed-loop worker thread spend N µs of CPU
-between an answer and its next request, as a heavier client does (perf_analyzer's
-C++ client spends some 15-30 µs more per request than the closed loop's): at 16 in
-flight on one core the server's CPU per request depends on how fast its clients
-turn answers around (docs/performance.md).
+``--client-work-us N`` has each closed-loop worker spend N µs of CPU between an
+answer and its next request, as a heavier client does (perf_analyzer's C++ client
+spends some 15-30 µs more per request than the closed loop's): at 16 in flight on
+one core the server's CPU per request depends on how fast its clients turn answers
+around (docs/performance.md).
 ``--only mesh-log`` adds the mesh with Envoy's access log on, ``--only
 mesh-door`` the mesh with the HTTP front door inside the orchestrator
 (``supervisor.http_front_door: orchestrator``, the default: pinned, for a
@@ -55,7 +55,6 @@ import os
 import pickle
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,9 +62,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import (
-    BlockingCall,
-    Call,
-    DualCall,
     LoadResult,
     LoadSettings,
     closed_loop,
@@ -140,8 +136,6 @@ class Settings:
     generators have the rest)."""
     rates: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)
     """The last closed-loop req/s of each (way, in flight), filled in as the run goes."""
-    client_work_us: float = 0.0
-    """CPU each closed-loop worker thread spends after an answer, before its next request."""
 
 
 def steal_seconds() -> float:
@@ -178,36 +172,11 @@ def started(server: str, work: Path, settings: Settings) -> Iterator[Running | N
             yield Running(http=base.removeprefix("http://"), pids=pids)
 
 
-def with_client_work(calls: list[Call], micros: float) -> list[Call]:
-    """Each worker thread's call, then ``micros`` of CPU on that thread with the GIL
-    held, as a heavier client spends between an answer and its next request (where
-    the closed loop's workers are threads of one call each: the HTTP ways, and gRPC
-    at no more in flight than connections)."""
-    if micros <= 0:
-        return calls
-
-    def spun(blocking: BlockingCall) -> BlockingCall:
-        def call() -> None:
-            blocking()
-            end = time.perf_counter() + micros / 1e6
-            while time.perf_counter() < end:
-                pass
-
-        return call
-
-    return [
-        dataclasses.replace(c, blocking=spun(c.blocking)) if isinstance(c, DualCall) else c
-        for c in calls
-    ]
-
-
-async def measure(
-    way: Way, running: Running, in_flight: int, load: LoadSettings, client_work_us: float = 0.0
-) -> LoadResult:
+async def measure(way: Way, running: Running, in_flight: int, load: LoadSettings) -> LoadResult:
     """One closed-loop window of one way; the steal counter read at its edges."""
     target = way.target(running, in_flight)
     try:
-        calls = with_client_work(target.calls(), client_work_us)
+        calls = target.calls()
         await calls[0]()  # the way works before anything is timed
         return await closed_loop(
             way.label, calls, in_flight, running.pids, load, probe=_steal_probe
@@ -254,7 +223,7 @@ async def both(
     run = None
     if use_pa and pa_first:
         run = await triton_load.measure(way, running, in_flight, load.seconds, warmup)
-    result = await measure(way, running, in_flight, load, settings.client_work_us)
+    result = await measure(way, running, in_flight, load)
     settings.rates[(way.label, in_flight)] = result.rate
     if use_pa and not pa_first:
         run = await triton_load.measure(way, running, in_flight, load.seconds, warmup)
@@ -340,7 +309,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     if unknown:
         parser.error(f"--only: unknown servers {sorted(unknown)}; choose from {SERVERS}")
     return Settings(
-        LoadSettings(args.seconds, args.warmup, args.settle),
+        LoadSettings(args.seconds, args.warmup, args.settle, client_work_us=args.client_work_us),
         tuple(int(x) for x in args.in_flight.split(",") if x),
         chosen,
         args.venvs / "peers-kserve-0.21.0" / "bin" / "python",
@@ -352,7 +321,6 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         args.perf_analyzer,
         args.save,
         split_cores()[1] if args.split_cores else None,
-        client_work_us=args.client_work_us,
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -90,11 +91,13 @@ def run_for(connection: GrpcConnection, streams: int, seconds: float) -> list[Ou
     return list(connection.run(streams, lambda: time.monotonic() > deadline))
 
 
-async def load(port: int, in_flight: int, connections: int, payload: bytes = b"x") -> LoadResult:
+async def load(
+    port: int, in_flight: int, connections: int, payload: bytes = b"x", settings: LoadSettings = LOAD
+) -> LoadResult:
     """The closed loop over a GrpcTarget of ``connections``, as the benchmarks run it."""
     target = GrpcTarget(f"127.0.0.1:{port}", METHOD, payload, connections)
     try:
-        return await closed_loop("test", target.calls(), in_flight, {}, LOAD)
+        return await closed_loop("test", target.calls(), in_flight, {}, settings)
     finally:
         await target.close()
 
@@ -112,6 +115,25 @@ def test_sixteen_in_flight_share_four_connections_on_the_lean_client() -> None:
         assert served.user_agents == {""}  # not grpc.aio's channels: they name themselves
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+@pytest.mark.parametrize(("in_flight", "connections"), [(4, 4), (16, 4)])
+def test_client_work_is_spent_between_an_answer_and_the_next_request(
+    in_flight: int, connections: int
+) -> None:
+    # (4, 4): a thread per call; (16, 4): a thread per connection with four calls on it.
+    work = dataclasses.replace(LOAD, client_work_us=2000.0)
+
+    async def scenario() -> None:
+        async with serving(after(0.0)) as (_server, port):
+            result = await load(port, in_flight, connections, settings=work)
+        assert result.errors == 0
+        assert result.completed > 50
+        # The work holds the GIL: at most one worker's 2 ms at a time.
+        assert result.rate < 550
+        assert result.client_cpu_ms() > 1.5
+
+    asyncio.run(scenario())
 
 
 def test_a_failed_status_is_counted_as_an_error_and_the_load_goes_on() -> None:
