@@ -576,7 +576,7 @@ def _client_work(seconds: float) -> None:
         pass
 
 
-async def _worker(call: Call, window: _Window, work_s: float) -> int:
+async def _worker(call: Call, work_s: float, window: _Window) -> int:
     """Send back to back (``work_s`` of client work between); record latencies (and
     errors) that end inside the window.
 
@@ -674,7 +674,7 @@ async def _running(
         workers = [loop.run_in_executor(threads, job, window) for job in jobs]
     else:
         workers = [
-            asyncio.create_task(_worker(calls[i % len(calls)], window, work_s))
+            asyncio.create_task(_worker(calls[i % len(calls)], work_s, window))
             for i in range(in_flight)
         ]
     try:

@@ -92,7 +92,11 @@ def run_for(connection: GrpcConnection, streams: int, seconds: float) -> list[Ou
 
 
 async def load(
-    port: int, in_flight: int, connections: int, payload: bytes = b"x", settings: LoadSettings = LOAD
+    port: int,
+    in_flight: int,
+    connections: int,
+    payload: bytes = b"x",
+    settings: LoadSettings = LOAD,
 ) -> LoadResult:
     """The closed loop over a GrpcTarget of ``connections``, as the benchmarks run it."""
     target = GrpcTarget(f"127.0.0.1:{port}", METHOD, payload, connections)
