@@ -399,9 +399,12 @@ class ModelVersion:
 
     async def _close_instances(self) -> None:
         loop = asyncio.get_running_loop()
-        for instance in self.instances:
-            await loop.run_in_executor(None, instance.close)
-        self.instances = []
+        while self.instances:
+            # Handed over in a list the call empties: an executor's thread keeps its work
+            # item (the call and its arguments) for a moment after the result is back, and
+            # an instance still held then would outlive the collection after the unload.
+            held = [self.instances.pop(0)]
+            await loop.run_in_executor(None, _close_held, held)
         for streaming in self.streaming:
             try:
                 await streaming.close()
@@ -584,6 +587,11 @@ class ModelVersion:
             "inputs": [describe(t) for t in self.spec.config.input],
             "outputs": [describe(t) for t in self.spec.config.output],
         }
+
+
+def _close_held(held: list[ThreadedInstance]) -> None:
+    """Close the one instance in ``held``, taking it out first (see _close_instances)."""
+    held.pop().close()
 
 
 def _failure(exc: BaseException) -> str:
