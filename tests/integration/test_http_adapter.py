@@ -299,6 +299,9 @@ def test_trace_continues_from_traceparent(adapter: ServiceProcess, receiver: Otl
 
 
 def test_tritonclient_statistics_unload_and_load(adapter: ServiceProcess) -> None:
+    # One inference of its own, so the statistics have one to count whatever ran before.
+    status, _, _ = http("POST", url(adapter, "/v2/models/add_sub/infer"), infer_body([1, 2, 3, 4]))
+    assert status == 200
     result = run_client("http_repository.py", adapter.info["http"], "add_sub")
     (stats,) = result["stats"]["model_stats"]
     assert stats["name"] == "add_sub"
