@@ -118,7 +118,9 @@ class JobStore:
         self.files_dir.mkdir(parents=True, exist_ok=True)
         path = self.files_dir / f"{file_id}.jsonl"
         await asyncio.to_thread(_write_atomically, path, content)
-        created = _now()
+        # Listed by the time to the microsecond: two made in one second keep their order.
+        stamp = time.time()
+        created = int(stamp)
         info = {
             "id": file_id,
             "object": "file",
@@ -130,8 +132,7 @@ class JobStore:
             "status": "processed",
         }
         await _aw(self.redis.hset(PREFIX + f"file:{file_id}", mapping=_flat(info)))
-        # Ordered by the time to the microsecond: two made in one second keep their order.
-        await self.redis.zadd(PREFIX + "files", {file_id: time.time()})
+        await self.redis.zadd(PREFIX + "files", {file_id: stamp})
         return info
 
     async def file(self, file_id: str) -> dict[str, Any]:
@@ -177,7 +178,8 @@ class JobStore:
                 f" {endpoint!r}"
             )
         batch_id = _new_id("batch")
-        created = _now()
+        stamp = time.time()  # as files
+        created = int(stamp)
         info = {
             "id": batch_id,
             "object": "batch",
@@ -196,7 +198,7 @@ class JobStore:
         }
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(PREFIX + f"batch:{batch_id}", mapping=_flat(info))
-            pipe.zadd(PREFIX + "batches", {batch_id: time.time()})  # as files
+            pipe.zadd(PREFIX + "batches", {batch_id: stamp})
             pipe.sadd(PREFIX + "active", batch_id)
             for index, line in enumerate(lines):
                 pipe.xadd(STREAM, {"batch": batch_id, "index": index, "line": _line_text(line)})
