@@ -46,7 +46,7 @@ from shared.channels import open_channels, open_stream_channels
 from shared.config import MAX_MESSAGE_BYTES
 from shared.errors import Cancelled, InvalidArgument, MeshError, NotFound, Unavailable
 from shared.h2grpc.client import LeanChannel
-from shared.rpc import failure, remote
+from shared.rpc import remote
 from shared.shared_memory import HANDOFF_EXTENSION
 from shared.tracing import client_span, current_carrier
 
@@ -548,10 +548,8 @@ class StageRouter:
             assert task is not None
             endpoint.calls.add(task)
             try:
-                try:  # what ``remote()`` does, without a context manager's cost per call
+                with remote():
                     return await invoke(endpoint)
-                except grpc.aio.AioRpcError as exc:
-                    raise failure(exc) from exc
             except (Unavailable, Cancelled) as exc:
                 last = exc
                 log.warning("%s failed a call for '%s': %s", endpoint.describe(), model, exc)
