@@ -21,8 +21,8 @@ import grpc
 from opentelemetry import trace
 
 from shared.h2grpc.client import LeanChannel
-from shared.interceptors import client_interceptors
 from shared.mtls import MeshTls
+from shared.trace_interceptors import client_interceptors
 
 RECONNECT_BACKOFF_MS = (250, 1000)
 """First and longest wait between attempts to reconnect to a peer that went away."""

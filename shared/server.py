@@ -30,9 +30,10 @@ from shared.channels import use_mesh_tls
 from shared.config import ServiceConfig
 from shared.h2grpc.connection import MIN_PING_INTERVAL_S
 from shared.h2grpc.server import LeanServer
-from shared.interceptors import DrainGate, ErrorInterceptor, TracingInterceptor
+from shared.interceptors import DrainGate, ErrorInterceptor
 from shared.metrics_http import start_metrics_server
 from shared.mtls import MeshTls
+from shared.trace_interceptors import TracingInterceptor
 from shared.tracing import make_tracer_provider, tracer_for
 from shared.wire_door import WireDoor, WireHandler
 

@@ -40,8 +40,9 @@ from opentelemetry import trace
 
 from shared.errors import GENERIC_INTERNAL_MESSAGE, DeadlineExceeded, MeshError
 from shared.grpc_headers import grpc_message, grpc_timeout
-from shared.interceptors import DrainGate, recorded, start_server_span
+from shared.interceptors import DrainGate
 from shared.trace_ids import TRACEPARENT
+from shared.trace_interceptors import recorded, start_server_span
 from shared.tracing import extract_context
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ ModelStreamInfer call per channel that says it forwards (``FORWARD_HEADER``):
 the stage answers each as ModelInfer would. A request with a deadline keeps
 its own RPC (the deadline and a cancel then reach the stage). A traced one
 carries its trace context in its parameters, set on the wire like its id, and
-the stage opens its server span from them (``shared.interceptors``), so
+the stage opens its server span from them (``shared.trace_interceptors``), so
 traced and untraced requests take the same path.
 
 Answers come back in any order: each request carries an id of the stream's own

@@ -9,7 +9,7 @@ when a stream is released, after the request that used it.
 A stream opened ahead belongs to no request, so its metadata carries no trace
 context and no deadline. Every request sent on any stage stream carries its
 trace context in its parameters instead (the stage starts its span from it,
-shared/interceptors.py), and the caller's deadline reaches the stage as a
+shared/trace_interceptors.py), and the caller's deadline reaches the stage as a
 cancel: the orchestrator's handler is cancelled when its caller's deadline
 passes, and it cancels the streams it holds.
 """

@@ -26,8 +26,9 @@ from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.config import ServiceConfig
 from shared.errors import GENERIC_INTERNAL_MESSAGE, NotFound
-from shared.interceptors import DrainGate, ErrorInterceptor, TracingInterceptor
+from shared.interceptors import DrainGate, ErrorInterceptor
 from shared.server import MeshServer, ServiceParts
+from shared.trace_interceptors import TracingInterceptor
 from shared.tracing import inject_metadata
 
 

@@ -23,8 +23,9 @@ from inference import grpc_service_pb2_grpc as pb_grpc
 from shared.config import MAX_MESSAGE_BYTES
 from shared.errors import InvalidArgument
 from shared.forwarding import PACKED_METHOD, Answer, add_forwarding
-from shared.interceptors import DrainGate, ErrorInterceptor, TracingInterceptor, client_interceptors
+from shared.interceptors import DrainGate, ErrorInterceptor
 from shared.servicer import FORWARD_HEADER, BaseServicer
+from shared.trace_interceptors import TracingInterceptor, client_interceptors
 from shared.tracing import (
     current_carrier,
     extract_context,
