@@ -16,12 +16,13 @@ from pydantic import Field
 from services.batch.job_api import add_job_api
 from services.orchestrator.core import Orchestrator
 from services.orchestrator.discovery import Resolver
+from services.orchestrator.endpoint import INFER_METHOD, StageAddress
 from services.orchestrator.ensembles import EnsembleRegistry
 from services.orchestrator.handoff import HandoffPool
 from services.orchestrator.mesh_api import MESH_SERVICE_NAME, MeshApiServicer, add_mesh_api
 from services.orchestrator.route_api import ROUTE_SERVICE_NAME, RouteApiServicer, add_route_api
 from services.orchestrator.route_table import RouteTable
-from services.orchestrator.router import INFER_METHOD, Discovery, StageAddress, StageRouter
+from services.orchestrator.router import Discovery, StageRouter
 from services.orchestrator.routes import load_routes
 from services.orchestrator.servicer import OrchestratorServicer, add_orchestrator
 from shared import launch

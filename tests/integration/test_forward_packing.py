@@ -20,8 +20,9 @@ from opentelemetry import trace
 
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
+from services.orchestrator.endpoint import StageAddress
 from services.orchestrator.forward_stream import ForwardStream
-from services.orchestrator.router import StageAddress, StageRouter
+from services.orchestrator.router import StageRouter
 from shared import forwarding
 from shared.errors import MeshError
 from shared.h2grpc.client import LeanChannel

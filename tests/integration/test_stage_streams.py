@@ -16,7 +16,8 @@ from opentelemetry import trace
 
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
-from services.orchestrator.router import REFILL_DELAY_S, StageAddress, StageRouter
+from services.orchestrator.endpoint import REFILL_DELAY_S, StageAddress
+from services.orchestrator.router import StageRouter
 from services.orchestrator.streaming import relay
 from shared.interceptors import DrainGate, ErrorInterceptor
 from shared.trace_interceptors import TracingInterceptor

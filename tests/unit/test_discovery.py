@@ -18,7 +18,8 @@ import pytest
 from opentelemetry import trace
 
 from services.orchestrator.discovery import Resolver, join_target, parse_hosts, split_target
-from services.orchestrator.router import Discovery, Endpoint, StageAddress, StageRouter
+from services.orchestrator.endpoint import Endpoint, StageAddress
+from services.orchestrator.router import Discovery, StageRouter
 
 HOSTS = """\
 # replicas of two stages
