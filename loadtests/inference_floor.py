@@ -23,7 +23,7 @@ from common import CpuUsage, sample_cpu, settle
 
 from services.inference.main import backends
 from shared.backend import BackendInstance, ModelSpec, config_parameters
-from shared.model import cuda_device_count, instance_specs
+from shared.instances import cuda_device_count, instance_specs
 from shared.repository import ModelRepository
 
 INPUT, OUTPUT = "input", "logits"

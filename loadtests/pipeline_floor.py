@@ -28,7 +28,7 @@ from services.preprocess.backend import transform_config
 from services.preprocess.transform import TransformConfig, preprocess
 from services.tokenizer.backend import TokenizerInstance
 from shared.backend import ModelSpec, config_parameters, default_intra_op_threads
-from shared.model import instance_specs
+from shared.instances import instance_specs
 from shared.repository import ModelRepository
 from shared.request import InferRequest, InferResponse
 

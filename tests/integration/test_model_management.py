@@ -22,7 +22,7 @@ import pytest
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from models.prepare import prepare_repository
-from shared.model import cuda_device_count
+from shared.instances import cuda_device_count
 from shared.tensors import decode_outputs, encode_inputs
 from tests.conftest import DATA, cache_dir
 from tests.harness import ROOT, ServiceProcess

@@ -18,7 +18,8 @@ from inference import model_config_pb2 as mc
 from shared.backend import InstanceSpec, ModelSpec, config_parameters
 from shared.errors import ConfigError
 from shared.inline_budget import DEFAULT_BOUND_US, SAMPLES, InlineBudget, inline_bound_us
-from shared.model import ModelVersion, QuickThreadedInstance
+from shared.instances import QuickThreadedInstance
+from shared.model import ModelVersion
 from shared.request import InferRequest, InferResponse
 from shared.statistics import StatsRecorder
 

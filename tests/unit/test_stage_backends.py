@@ -33,7 +33,7 @@ from services.preprocess.transform import TransformConfig, decode_rgb, preproces
 from services.tokenizer.backend import TokenizerBackend, parse_messages
 from shared.backend import InstanceSpec, ModelSpec, config_parameters
 from shared.errors import ConfigError, InvalidArgument
-from shared.model import ThreadedInstance
+from shared.instances import ThreadedInstance
 from shared.request import InferRequest, InferResponse
 from shared.statistics import StatsRecorder
 from tests.conftest import affine_onnx
