@@ -21,19 +21,15 @@ from inference import model_config_pb2 as mc
 from shared.classification import Classification, classification
 from shared.config import MAX_MESSAGE_BYTES
 from shared.errors import (
-    GENERIC_INTERNAL_MESSAGE,
     InvalidArgument,
     MeshError,
-    Overloaded,
     Unimplemented,
-    error_for_status,
 )
 from shared.forwarding import (
     FORWARD_HEADER,
     FORWARD_UNARY,
     add_forwarding,
     one_at_a_time,
-    packed_size,
     serve_forwarded,
 )
 from shared.manager import ModelManager
@@ -42,6 +38,13 @@ from shared.request import InferRequest, InferResponse
 from shared.shared_memory import HANDOFF_EXTENSION, REGION, SharedMemoryRegions
 from shared.shared_memory_servicer import SharedMemoryMethods
 from shared.statistics import Duration, ModelStats
+from shared.stream_messages import (
+    EMPTY_FINAL_RESPONSE,
+    FINAL_RESPONSE,
+    fitting,
+    stream_error,
+    stream_failed,
+)
 from shared.stream_tasks import StreamTasks
 from shared.tensors import decode_inputs, encode_outputs, parameters_to_dict, set_parameter
 
@@ -60,16 +63,10 @@ EXTENSIONS = (
 )
 SHARED_MEMORY_EXTENSION = "system_shared_memory"
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
-FINAL_RESPONSE = "triton_final_response"
-"""Response parameter: true on the last response to a request (Triton's name)."""
-EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
-"""Request parameter: also send a final response that carries no outputs."""
 GATHERED = "meshserve_gathered"
 """Request parameter: true when the request's rows are a batch that a queue
 upstream gathered (the orchestrator's ensemble queue), so the model's batcher
 sends it without waiting for others to join (``InferRequest.gathered``)."""
-STATUS_CODE = "meshserve_status_code"
-"""Parameter of an in-stream error response: the gRPC status code, as an integer."""
 
 
 def extensions(regions: SharedMemoryRegions) -> list[str]:
@@ -153,82 +150,12 @@ def _classified(wanted: Classification | None, response: InferResponse) -> Infer
     return dataclasses.replace(response, outputs=wanted.apply(response.outputs))
 
 
-def stream_error(request: pb.ModelInferRequest, error: MeshError) -> pb.ModelStreamInferResponse:
-    """A failed request of a stream: Triton's error_message, plus our status code.
-
-    The ``meshserve_status_code`` parameter keeps the gRPC code (a stream's
-    error_message alone has none), so a relay can re-raise the same error.
-    """
-    answer = pb.ModelInferResponse(
-        model_name=request.model_name, model_version=request.model_version, id=request.id
-    )
-    answer.parameters[FINAL_RESPONSE].bool_param = True
-    answer.parameters[STATUS_CODE].int64_param = error.code.value[0]
-    return pb.ModelStreamInferResponse(error_message=error.message, infer_response=answer)
-
-
-def fitting(answer: pb.ModelStreamInferResponse, limit: int) -> pb.ModelStreamInferResponse:
-    """``answer``, or its request's error when the answer alone would make a message
-    over ``limit`` bytes, as a unary call's answer that size fails RESOURCE_EXHAUSTED."""
-    size = answer.ByteSize()
-    if packed_size(size) <= limit:
-        return answer
-    head = answer.infer_response
-    request = pb.ModelInferRequest(
-        model_name=head.model_name, model_version=head.model_version, id=head.id
-    )
-    too_large = f"model '{head.model_name}': answer larger than max ({size} vs. {limit} bytes)"
-    return stream_error(request, Overloaded(too_large))
-
-
-def is_final(response: pb.ModelInferResponse) -> bool:
-    """True on the last response of a decoupled request (``triton_final_response``)."""
-    param = response.parameters.get(FINAL_RESPONSE)
-    return param is not None and param.bool_param
-
-
-def stream_failure(message: pb.ModelStreamInferResponse) -> MeshError:
-    """The error a stream's ``error_message`` carries, under the status code that
-    ``stream_error`` put beside it (INVALID_ARGUMENT from a server that sent none)."""
-    code_param = message.infer_response.parameters.get(STATUS_CODE)
-    if code_param is not None:
-        for code in grpc.StatusCode:
-            if code.value[0] == code_param.int64_param:
-                return error_for_status(code, message.error_message)
-    return InvalidArgument(message.error_message)
-
-
-async def until_final(
-    messages: AsyncIterator[pb.ModelStreamInferResponse],
-) -> AsyncIterator[pb.ModelInferResponse]:
-    """One decoupled request's responses from its stream's messages, up to the final
-    one; a message with an ``error_message`` raises its MeshError (``stream_failure``)."""
-    async for message in messages:
-        if message.error_message:
-            raise stream_failure(message)
-        yield message.infer_response
-        if is_final(message.infer_response):
-            return
-
-
 def _forwarded_stream(context: grpc.aio.ServicerContext[Any, Any]) -> bool:
     """True for a stream whose caller forwards unary requests on it (FORWARD_HEADER)."""
     return any(
         key == FORWARD_HEADER and value == FORWARD_UNARY
         for key, value in context.invocation_metadata() or ()
     )
-
-
-def _stream_failed(
-    request: pb.ModelInferRequest, exc: Exception, what: str
-) -> pb.ModelStreamInferResponse:
-    """A failed request's stream message: a MeshError is the caller's answer;
-    anything else, as the interceptor does for unary calls: log it, tell the
-    caller little."""
-    if not isinstance(exc, MeshError):
-        log.exception("unexpected error in a %s request", what)
-        exc = MeshError(GENERIC_INTERNAL_MESSAGE)
-    return stream_error(request, exc)
 
 
 def _duration(target: pb.StatisticDuration, source: Duration) -> None:
@@ -323,7 +250,7 @@ class BaseServicer(SharedMemoryMethods, pb_grpc.GRPCInferenceServiceServicer):
                 async for answer in answers:
                     await send(pb.ModelStreamInferResponse(infer_response=answer))
             except Exception as exc:
-                await send(_stream_failed(request, exc, "ModelStreamInfer"))
+                await send(stream_failed(request, exc, "ModelStreamInfer"))
             finally:
                 # Close it now (a cancelled request's generation stops here), not at GC.
                 aclose = getattr(answers, "aclose", None)
@@ -352,7 +279,7 @@ class BaseServicer(SharedMemoryMethods, pb_grpc.GRPCInferenceServiceServicer):
         try:
             answer = await self.ModelInfer(request, context)
         except Exception as exc:
-            return _stream_failed(request, exc, "forwarded ModelInfer")
+            return stream_failed(request, exc, "forwarded ModelInfer")
         return fitting(pb.ModelStreamInferResponse(infer_response=answer), self.max_message_bytes)
 
     async def ModelInfer(

@@ -30,7 +30,7 @@ from meshserve.v1 import meshserve_pb2_grpc as api_grpc
 from shared.channels import open_channels
 from shared.errors import Unavailable
 from shared.rpc import remote
-from shared.servicer import until_final
+from shared.stream_messages import until_final
 
 
 class Upstream:

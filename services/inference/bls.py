@@ -27,7 +27,7 @@ from shared.manager import ModelManager
 from shared.model import ModelVersion
 from shared.request import InferRequest, InferResponse
 from shared.rpc import remote, remote_stream
-from shared.servicer import EMPTY_FINAL_RESPONSE, is_final, until_final
+from shared.stream_messages import EMPTY_FINAL_RESPONSE, is_final, until_final
 from shared.tensors import decode_outputs, encode_inputs, set_parameter
 
 T = TypeVar("T")

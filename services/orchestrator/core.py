@@ -40,9 +40,10 @@ from services.orchestrator.streaming import relay
 from shared.errors import ConfigError, InvalidArgument, MeshError, NotFound, Unavailable
 from shared.repository import ModelEntry, is_ensemble
 from shared.rpc import remote
-from shared.servicer import FINAL_RESPONSE, stats_to_proto
+from shared.servicer import stats_to_proto
 from shared.shared_memory import MARK as SHARED_MEMORY_MARK
 from shared.shared_memory import SharedMemoryRegions
+from shared.stream_messages import FINAL_RESPONSE
 
 ROUTE_PARAMETER = "route"
 """RepositoryModelLoad parameter: the route to define under the model name, as JSON."""

@@ -48,7 +48,7 @@ from shared.forwarding import (
 )
 from shared.h2grpc.client import LeanChannel, StreamCall
 from shared.rpc import failure
-from shared.servicer import stream_failure
+from shared.stream_messages import stream_failure
 from shared.wireformat import (
     WireError,
     id_field,

@@ -38,7 +38,8 @@ from services.orchestrator.step_wire import answer_tensors, request_bytes
 from services.orchestrator.streaming import StepStreams, relay, wire_outputs
 from shared.classification import classification
 from shared.errors import InvalidArgument
-from shared.servicer import EMPTY_FINAL_RESPONSE, FINAL_RESPONSE, refuse_shared_memory
+from shared.servicer import refuse_shared_memory
+from shared.stream_messages import EMPTY_FINAL_RESPONSE, FINAL_RESPONSE
 from shared.tensors import decode_inputs, decode_raw, encode_raw, refuse_mixed_contents
 
 Outputs = dict[str, WireTensor]

@@ -16,7 +16,7 @@ from services.orchestrator.ensemble import Step, WireTensor
 from services.orchestrator.router import StageRouter
 from services.orchestrator.stage_stream import StageStream
 from shared.errors import MeshError, Unavailable
-from shared.servicer import stream_failure, until_final
+from shared.stream_messages import stream_failure, until_final
 
 
 async def relay(

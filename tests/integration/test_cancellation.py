@@ -25,7 +25,7 @@ from inference import grpc_service_pb2 as pb
 from services.orchestrator.forward_stream import ForwardStream
 from shared import forwarding
 from shared.errors import MeshError
-from shared.servicer import stream_failure
+from shared.stream_messages import stream_failure
 from shared.tensors import decode_outputs, encode_inputs
 from shared.wireformat import id_field, repeated, repeated_field, with_id
 from tests.conftest import DATA

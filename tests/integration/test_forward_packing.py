@@ -28,7 +28,8 @@ from shared.errors import MeshError
 from shared.h2grpc.client import LeanChannel
 from shared.h2grpc.server import LeanServer
 from shared.interceptors import ErrorInterceptor
-from shared.servicer import FORWARD_HEADER, STATUS_CODE, BaseServicer, stream_failure
+from shared.servicer import FORWARD_HEADER, BaseServicer
+from shared.stream_messages import STATUS_CODE, stream_failure
 from shared.tensors import decode_outputs, encode_inputs
 from shared.wireformat import repeated, repeated_field, with_id
 from tests.conftest import DATA

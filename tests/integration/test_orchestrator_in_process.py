@@ -20,7 +20,7 @@ import pytest
 from inference import grpc_service_pb2 as pb
 from meshserve.v1 import meshserve_pb2 as api
 from shared.errors import InvalidArgument, NotFound, Unavailable
-from shared.servicer import FINAL_RESPONSE
+from shared.stream_messages import FINAL_RESPONSE
 from shared.tensors import decode_outputs, encode_inputs
 from tests.conftest import DATA
 from tests.in_process import Mesh, running
