@@ -24,7 +24,10 @@ itself to. ``--plot`` writes a PNG of req/s and server CPU per request.
 
 ``--perf-analyzer`` also runs Triton's perf_analyzer on each way it speaks,
 right before or after the closed loop's window (the order alternates), on the
-same terms (triton_load.py), and prints the two generators' agreement.
+same terms (triton_load.py), and prints the two generators' agreement: per
+way, then how many ways agree within 10% and what each client cost a request.
+The project judges agreement at equal client cost (``--split-cores
+--client-work-us 20``; docs/performance.md).
 ``--split-cores`` keeps the load generators (this process's threads and
 perf_analyzer) on the last core and every server process on the others, as
 if the load came from another host: on a small host the generator's own CPU

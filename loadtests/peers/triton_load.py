@@ -29,6 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from common import ROOT, LoadResult, format_table
 from peers.model import MODEL
@@ -199,4 +200,18 @@ def table(agreements: Sequence[Agreement]) -> str:
         "CPU were all that limited both, (server + client) under the closed loop over the "
         "same under perf_analyzer; steal: the larger of the two runs', in cores)"
     )
-    return format_table(headers, rows) + "\n" + note
+    return "\n".join([format_table(headers, rows), note, _verdict(rows)])
+
+
+def _verdict(rows: Sequence[Sequence[Any]]) -> str:
+    """How many ways agree, and whether the two clients cost alike: the check's
+    terms are equal client cost (``--client-work-us``; docs/performance.md)."""
+    if not rows:
+        return "perf_analyzer: no way measured"
+    agreed = sum(1 for row in rows if row[-1] == "yes")
+    pa, loop = [row[6] for row in rows], [row[7] for row in rows]
+    return (
+        f"perf_analyzer within {AGREE:.0%} of the closed loop on {agreed} of {len(rows)} ways; "
+        f"client CPU ms per request: perf_analyzer {min(pa):.2f}-{max(pa):.2f}, "
+        f"closed loop {min(loop):.2f}-{max(loop):.2f}"
+    )
