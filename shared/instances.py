@@ -3,8 +3,9 @@ runs its batches.
 
 Each instance of a model served through the batcher is a ``ThreadedInstance``:
 the backend's instance behind a thread of its own, so the event loop never
-blocks on model compute. One measured cheaper than the hand-off to that
-thread runs its batches on the loop (``shared/inline_budget.py``).
+blocks on model compute. One that says a batch is cheap (a ``QuickInstance``),
+or whose batches are measured cheaper than the hand-off to that thread
+(``shared/inline_budget.py``), runs them on the loop.
 """
 
 from __future__ import annotations

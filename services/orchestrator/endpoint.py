@@ -4,9 +4,9 @@ streams it keeps open ahead, and what it hosts.
 A replica gets a small pool of HTTP/2 channels (``open_endpoint``); calls take
 them in turn. Beside the typed stubs it keeps ModelInfer without serialisers
 (a request forwarded as bytes), a stream per channel for forwarded requests
-(forward_stream.py) and spare ModelStreamInfer calls (stage_stream.py). Which
-replica a call goes to, and what it hosts, is the router's to decide
-(router.py).
+(forward_stream.py) and spare ModelStreamInfer calls (stage_stream.py). The
+router (router.py) fills in what each replica hosts from its RepositoryIndex
+and chooses the replica for each call.
 """
 
 from __future__ import annotations
