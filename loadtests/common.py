@@ -625,9 +625,7 @@ ThreadJob = Callable[[_Window], int]
 """What one worker thread runs: it sends until the window closes, returns its count."""
 
 
-def _thread_jobs(
-    calls: Sequence[Call], in_flight: int, work_s: float = 0.0
-) -> list[ThreadJob] | None:
+def _thread_jobs(calls: Sequence[Call], in_flight: int, work_s: float) -> list[ThreadJob] | None:
     """One job per worker thread where threads carry this load, else None.
 
     Threads, with the lean clients of ``blocking_clients``, wherever they open no
@@ -662,7 +660,7 @@ def _thread_jobs(
 
 @contextlib.asynccontextmanager
 async def _running(
-    calls: Sequence[Call], in_flight: int, window: _Window, work_s: float = 0.0
+    calls: Sequence[Call], in_flight: int, window: _Window, work_s: float
 ) -> AsyncIterator[list[asyncio.Future[int]]]:
     """``in_flight`` workers over ``calls`` (round robin), on threads or as tasks, each
     spending ``work_s`` after every answer; on exit they are stopped and waited for."""

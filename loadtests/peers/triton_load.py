@@ -200,16 +200,21 @@ def table(agreements: Sequence[Agreement]) -> str:
         "CPU were all that limited both, (server + client) under the closed loop over the "
         "same under perf_analyzer; steal: the larger of the two runs', in cores)"
     )
-    return "\n".join([format_table(headers, rows), note, _verdict(rows)])
+    return "\n".join([format_table(headers, rows), note, _verdict(headers, rows)])
 
 
-def _verdict(rows: Sequence[Sequence[Any]]) -> str:
+def _verdict(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """How many ways agree, and whether the two clients cost alike: the check's
     terms are equal client cost (``--client-work-us``; docs/performance.md)."""
     if not rows:
         return "perf_analyzer: no way measured"
-    agreed = sum(1 for row in rows if row[-1] == "yes")
-    pa, loop = [row[6] for row in rows], [row[7] for row in rows]
+
+    def column(name: str) -> list[Any]:
+        index = headers.index(name)
+        return [row[index] for row in rows]
+
+    agreed = column(f"within {AGREE:.0%}").count("yes")
+    pa, loop = column("PA client ms"), column("loop client ms")
     return (
         f"perf_analyzer within {AGREE:.0%} of the closed loop on {agreed} of {len(rows)} ways; "
         f"client CPU ms per request: perf_analyzer {min(pa):.2f}-{max(pa):.2f}, "
